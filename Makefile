@@ -1,0 +1,60 @@
+# Going Brrr From First Principles: the course's commands. `make test` and `make lab` do all
+# the set-up on a fresh machine.
+SHELL := /bin/bash
+PYTHON3 ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch is installed before the course so that pip does not pull a multi-GB
+# CUDA build. On a machine with an NVIDIA GPU: make setup TORCH=torch==2.11.0
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+# The GPU target runs with the machine's own python3 (torch with CUDA already there).
+GPU_PY ?= python3
+OUT ?= gpu-record
+
+.PHONY: setup test lint lab book labs record gpu-record clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev,book]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+lint: setup
+	$(PY) -m ruff check kernels tests chapters solutions
+	$(PY) -m ruff format --check kernels tests
+
+# The whole suite in CPU mode: kernels, grader, notebooks under nbval, book.
+test: setup lint
+	$(PY) -m pytest --nbval-lax -p no:cacheprovider tests chapters solutions
+
+lab: setup
+	$(VENV)/bin/jupyter lab chapters labs
+
+# Execute notebooks and store their outputs with the record of the run (device, versions).
+record: setup
+	$(PY) -m kernels record chapters/*.ipynb solutions/*.ipynb
+
+# On a GPU machine (no network needed): GPU tests, benchmarks, chapters re-recorded, all packed
+# into $(OUT)/gpu-record.tar.gz. Needs torch, triton, pytest, nbclient, ipykernel, nbval.
+gpu-record:
+	mkdir -p $(OUT)/logs
+	export PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1; set -o pipefail; \
+	$(GPU_PY) -m kernels doctor 2>&1 | tee $(OUT)/logs/doctor.txt; \
+	$(GPU_PY) -m pytest -p no:cacheprovider -m "not book" tests 2>&1 | tee $(OUT)/logs/pytest.txt; \
+	tests_rc=$$?; \
+	gpu=$$($(GPU_PY) -c 'import torch; from kernels.bench import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))'); \
+	mkdir -p kernels/data/$$gpu; \
+	$(GPU_PY) -m kernels bench --json kernels/data/$$gpu/bench.json 2>&1 | tee $(OUT)/logs/bench.txt; \
+	$(GPU_PY) -m kernels record $${NOTEBOOKS:-chapters/*.ipynb solutions/*.ipynb} 2>&1 | tee $(OUT)/logs/record.txt; \
+	record_rc=$$?; \
+	tar czf $(OUT)/gpu-record.tar.gz kernels/data chapters solutions -C $(OUT) logs; \
+	echo "packed $(OUT)/gpu-record.tar.gz (tests rc=$$tests_rc, record rc=$$record_rc)"; \
+	test $$tests_rc -eq 0 -a $$record_rc -eq 0
+
+clean:
+	rm -rf $(VENV) book/_build gpu-record

@@ -1,0 +1,91 @@
+"""The course's command line: `python -m kernels {doctor,bench,record} ...`."""
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+
+def doctor(_args) -> int:
+    import torch
+
+    from kernels import check, runtime
+    from kernels.elementwise import add, add_ref
+
+    info = runtime.versions()
+    for key, value in info.items():
+        print(f"{key:>8}: {value}")
+    x = check.random_tensor((1000,), seed=0)
+    y = check.random_tensor((1000,), seed=1)
+    try:
+        result = check.compare(add(x, y), add_ref(x.double(), y.double()), op="elementwise")
+    except Exception as exc:  # the point of doctor is to report any failure in one line
+        result = check.Comparison(False, f"{type(exc).__name__}: {exc}")
+    if not result.ok:
+        print(f"PROBLEM: a Triton vector add failed ({result.message})")
+        return 1
+    if runtime.ON_GPU and not runtime.INTERPRET:
+        print(
+            f"OK: Triton compiles for {info['device']}; timings are real "
+            f"(CUDA {torch.version.cuda})"
+        )
+    elif runtime.ON_GPU:
+        print(
+            "OK, but TRITON_INTERPRET is set on a GPU machine: kernels run in the interpreter; "
+            "unset it to compile them"
+        )
+    else:
+        print(
+            "OK: no GPU, CPU mode: Triton kernels run in the interpreter (correct, slow); "
+            "chapters show GPU timings recorded on an H200"
+        )
+    return 0
+
+
+def bench_command(args) -> int:
+    from kernels import bench, benchmarks, runtime
+
+    if not runtime.ON_GPU:
+        path = bench.DATA_DIR / bench.RECORDED_GPU / "bench.json"
+        print(
+            "No GPU here: Triton runs in its interpreter on a CPU, so kernel timings would "
+            "mean nothing."
+        )
+        if not path.exists():
+            print(f"No recorded results yet ({path.name}): run `make gpu-record` on a GPU.")
+            return 0
+        result = json.loads(path.read_text())
+        print(f"Recorded results from {bench.describe(result['meta'])}:\n")
+    else:
+        result = benchmarks.run(args.names or None)
+        result["meta"] = {**runtime.versions(), "date": datetime.date.today().isoformat()}
+    print(benchmarks.format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def record_command(args) -> int:
+    from kernels import notebook
+
+    return notebook.main(args.paths)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="mode, device, versions, and a one-line verdict")
+    p = sub.add_parser("bench", help="ceilings and kernels against baselines (GPU)")
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p = sub.add_parser("record", help="execute notebooks and record their outputs and metadata")
+    p.add_argument("paths", nargs="+")
+    args = parser.parse_args(argv)
+    handlers = {"doctor": doctor, "bench": bench_command, "record": record_command}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Measuring: one timing function, the machine's ceilings, achieved rates, recorded results.
+
+Every number a chapter shows goes through here. On a GPU, times are medians from
+`triton.testing.do_bench` (warm-up, many runs, L2 flushed between runs). On a CPU, times
+are wall-clock medians; they are real for PyTorch's CPU ops (the laptop's own roofline)
+but not for Triton kernels, which the interpreter runs in Python: for those, chapters
+show the results recorded on a GPU (`measure_or_recorded`).
+"""
+
+import datetime
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.roofline import RooflinePoint, plot_roofline, predicted_ms, ridge_point
+from kernels.runtime import DEVICE, ON_GPU, versions
+
+__all__ = [
+    "time_ms",
+    "measure_ceilings",
+    "achieved_gbps",
+    "achieved_tflops",
+    "measure_or_recorded",
+    "recorded",
+    "record",
+    "RooflinePoint",
+    "plot_roofline",
+    "predicted_ms",
+    "ridge_point",
+]
+
+DATA_DIR = Path(__file__).parent / "data"
+RECORDED_GPU = "h200"  # the GPU whose results CPU-mode chapters show
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def time_ms(fn, *args, **kwargs) -> float:
+    """Median milliseconds of one call of `fn(*args, **kwargs)`."""
+    if not callable(fn):
+        raise TypeError(f"time_ms needs a callable first, got {type(fn).__name__}")
+    call = lambda: fn(*args, **kwargs)
+    if ON_GPU:
+        import triton.testing
+
+        return float(triton.testing.do_bench(call, return_mode="median"))
+    return _cpu_median_ms(call)
+
+
+def _cpu_median_ms(call, budget_s: float = 0.2, max_runs: int = 1000) -> float:
+    call()  # warm-up: first-call costs (allocation, dispatch caches) stay out
+    samples, start = [], time.perf_counter()
+    while len(samples) < 5 or (time.perf_counter() - start < budget_s and len(samples) < max_runs):
+        t0 = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def achieved_gbps(bytes_moved: float, ms: float) -> float:
+    """GB/s (1e9 bytes per second) from bytes read plus written and milliseconds."""
+    _check_positive(ms=ms)
+    return bytes_moved / ms / 1e6
+
+
+def achieved_tflops(flops: float, ms: float) -> float:
+    """TFLOP/s (1e12 per second) from a FLOP count (an FMA is 2 FLOPs) and milliseconds."""
+    _check_positive(ms=ms)
+    return flops / ms / 1e9
+
+
+def _check_positive(**values):
+    for name, v in values.items():
+        if not v > 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+
+
+def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None) -> dict:
+    """The machine's own ceilings, measured now (they drift between runs and machines).
+
+    copy_gbps: a device-to-device copy, counting bytes read plus bytes written.
+    matmul_tflops: 2*n^3 / time for an n x n x n `torch.matmul` per dtype (cuBLAS on a GPU,
+    the CPU's BLAS otherwise), on random inputs; fp32 at torch's default "highest" precision.
+    """
+    copy_bytes = copy_bytes or (1 << 30 if ON_GPU else 1 << 26)  # well past the L2 / last cache
+    numel = copy_bytes // 4
+    src = torch.rand(numel, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(dst.copy_, src)
+    del src, dst
+    tflops = {}
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for name, dtype in DTYPE_NAMES.items():
+            n = matmul_n or (8192 if ON_GPU else (512 if dtype == torch.float32 else 256))
+            a = torch.randn(n, n, device=DEVICE).to(dtype)
+            b = torch.randn(n, n, device=DEVICE).to(dtype)
+            tflops[name] = achieved_tflops(2 * n**3, time_ms(torch.matmul, a, b))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return {"copy_gbps": achieved_gbps(2 * numel * 4, copy_ms), "matmul_tflops": tflops}
+
+
+# Recorded results: one JSON file per chapter under kernels/data/<gpu>/, written on a GPU,
+# read on a CPU. {"meta": {device, torch, triton, ...,  date}, "results": {key: value}}
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200': the folder a GPU's results live in."""
+    name = re.sub(r"^nvidia\s+", "", name.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown"
+
+
+def _path(chapter: str, gpu: str) -> Path:
+    if not re.fullmatch(r"[a-z0-9_]+", chapter):
+        raise ValueError(f"chapter must be a name like '01_three_regimes', got {chapter!r}")
+    return DATA_DIR / gpu / f"{chapter}.json"
+
+
+def record(chapter: str, key: str, value) -> None:
+    """Store a result measured on this GPU (with the versions that produced it)."""
+    if not ON_GPU:
+        raise RuntimeError("record() stores GPU measurements; this machine has no GPU")
+    path = _path(chapter, gpu_slug(torch.cuda.get_device_name()))
+    data = json.loads(path.read_text()) if path.exists() else {"results": {}}
+    data["meta"] = {**versions(), "date": datetime.date.today().isoformat()}
+    data["results"][key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def recorded(chapter: str, key: str, gpu: str = RECORDED_GPU):
+    """A result recorded on `gpu`, and the meta of its run."""
+    path = _path(chapter, gpu)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no results recorded on {gpu} for {chapter} ({path.name}): "
+            f"run `make gpu-record` on a GPU machine"
+        )
+    data = json.loads(path.read_text())
+    if key not in data["results"]:
+        raise KeyError(
+            f"{chapter} has no recorded result {key!r} on {gpu}; recorded: "
+            f"{sorted(data['results'])}"
+        )
+    return data["results"][key], data["meta"]
+
+
+def describe(meta: dict) -> str:
+    """'NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-29'."""
+    return (
+        f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta.get('date', '')}"
+    )
+
+
+def measure_or_recorded(chapter: str, key: str, measure):
+    """On a GPU, run `measure()` and record its (JSON-able) result; on a CPU, return the result
+    recorded on the course's reference GPU. Says which, and where the numbers come from."""
+    if ON_GPU:
+        value = measure()
+        record(chapter, key, value)
+        print(f"[{key}] measured now on {describe({**versions(), 'date': 'today'})}")
+        return value
+    value, meta = recorded(chapter, key)
+    print(f"[{key}] no GPU here: showing the results recorded on {describe(meta)}")
+    return value

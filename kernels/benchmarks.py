@@ -1,0 +1,84 @@
+"""`python -m kernels bench`: the machine's ceilings, then every kernel against its baselines,
+on the same inputs in the same run. Chapters add their kernels to BENCHMARKS.
+
+A benchmark is a function (ceilings) -> list of rows:
+{"name", "ms", "unit": "GB/s" | "TFLOP/s", "rate", "pct_of_ceiling", "baselines": {name: ms}}.
+"""
+
+import torch
+
+from kernels import bench
+from kernels.runtime import DEVICE
+
+
+def _row(name, ms, *, bytes_moved=None, flops=None, ceilings, dtype="fp32", baselines=None):
+    if bytes_moved is not None:
+        unit, rate = "GB/s", bench.achieved_gbps(bytes_moved, ms)
+        ceiling = ceilings["copy_gbps"]
+    else:
+        unit, rate = "TFLOP/s", bench.achieved_tflops(flops, ms)
+        ceiling = ceilings["matmul_tflops"][dtype]
+    return {
+        "name": name,
+        "ms": ms,
+        "unit": unit,
+        "rate": rate,
+        "pct_of_ceiling": 100 * rate / ceiling,
+        "baselines": baselines or {},
+    }
+
+
+def bench_add(ceilings):
+    from kernels.elementwise import add
+
+    rows = []
+    for n in (1 << 20, 1 << 24, 1 << 28):
+        x, y = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+        ms = bench.time_ms(add, x, y)
+        eager = bench.time_ms(torch.add, x, y)
+        rows.append(
+            _row(
+                f"add fp32 n=2^{n.bit_length() - 1}",
+                ms,
+                bytes_moved=3 * 4 * n,
+                ceilings=ceilings,
+                baselines={"torch": eager},
+            )
+        )
+    return rows
+
+
+BENCHMARKS = {"add": bench_add}
+
+
+def run(names=None, ceilings=None):
+    """Measure the ceilings (unless given) and the named benchmarks (default: all)."""
+    unknown = set(names or ()) - set(BENCHMARKS)
+    if unknown:
+        raise ValueError(f"unknown benchmarks {sorted(unknown)}; known: {sorted(BENCHMARKS)}")
+    ceilings = ceilings or bench.measure_ceilings()
+    rows = []
+    for name in names or BENCHMARKS:
+        rows.extend(BENCHMARKS[name](ceilings))
+    return {"ceilings": ceilings, "rows": rows}
+
+
+def format_table(result) -> str:
+    c = result["ceilings"]
+    lines = [
+        f"copy bandwidth {c['copy_gbps']:.0f} GB/s; matmul "
+        + ", ".join(f"{k} {v:.1f}" for k, v in c["matmul_tflops"].items())
+        + " TFLOP/s"
+    ]
+    if result["rows"]:
+        lines.append(f"{'kernel':32} {'ms':>9} {'rate':>16} {'% ceiling':>10}  vs baselines")
+        for r in result["rows"]:
+            vs = ", ".join(f"{b} {ms / r['ms']:.2f}x" for b, ms in r["baselines"].items())
+            lines.append(
+                f"{r['name']:32} {r['ms']:9.4f} {r['rate']:9.1f} {r['unit']:>7}"
+                f" {r['pct_of_ceiling']:9.1f}%  {vs}"
+            )
+        lines.append(
+            "(vs baselines: baseline time / kernel time; above 1 means the kernel is faster)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Correctness: the one tolerance table, and the helpers that tests and the grader share.
+
+Policy: compare against a reference computed in higher precision (fp64, or fp32 on
+upcast inputs); NaN where the reference is finite always fails; batch invariance and
+determinism are bitwise (`torch.equal`), never a tolerance.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.runtime import DEVICE
+
+# Sizes that catch masking and indexing bugs: 1, odd, block boundaries plus and minus one.
+ODD_SIZES = (1, 3, 127, 129, 1000, 4097)
+
+OP_CLASSES = ("elementwise", "reduction", "matmul", "attention")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+# (dtype, op class) -> tolerance. bf16 is checked on the GPU only: Triton's interpreter
+# computes bf16 wrongly without an error.
+TOLERANCES = {
+    (torch.float32, "elementwise"): Tolerance(atol=1e-5, rtol=1e-5),
+    (torch.float32, "reduction"): Tolerance(atol=1e-5, rtol=1e-4),
+    (torch.float32, "matmul"): Tolerance(atol=1e-4, rtol=1e-4),
+    (torch.float32, "attention"): Tolerance(atol=1e-4, rtol=1e-4),
+    (torch.float16, "elementwise"): Tolerance(atol=1e-3, rtol=1e-3),
+    (torch.float16, "reduction"): Tolerance(atol=1e-3, rtol=1e-3),
+    (torch.float16, "matmul"): Tolerance(atol=1e-2, rtol=1e-2),
+    (torch.float16, "attention"): Tolerance(atol=1e-2, rtol=1e-2),
+    (torch.bfloat16, "elementwise"): Tolerance(atol=1.6e-2, rtol=1.6e-2),
+    (torch.bfloat16, "reduction"): Tolerance(atol=1.6e-2, rtol=1.6e-2),
+    (torch.bfloat16, "matmul"): Tolerance(atol=2e-2, rtol=2e-2),
+    (torch.bfloat16, "attention"): Tolerance(atol=2e-2, rtol=2e-2),
+}
+
+
+def tolerance(dtype: torch.dtype, op: str) -> Tolerance:
+    """The tolerance for outputs of `dtype` from an op of class `op`."""
+    if op not in OP_CLASSES:
+        raise ValueError(f"op class must be one of {OP_CLASSES}, got {op!r}")
+    try:
+        return TOLERANCES[(dtype, op)]
+    except KeyError:
+        supported = sorted({str(d).removeprefix("torch.") for d, _ in TOLERANCES})
+        raise TypeError(f"no tolerance for dtype {dtype}; supported: {supported}") from None
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, computed in fp64."""
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    denom = ref64.norm().item()
+    diff = (out64 - ref64).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+@dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    message: str
+    max_abs_err: float = math.nan
+
+
+def compare(out, ref, *, op: str, dtype: torch.dtype | None = None, baseline=None) -> Comparison:
+    """Compare a kernel's output with a high-precision reference.
+
+    `dtype` (default: out's) and `op` pick the tolerance. With `baseline`, PyTorch's own
+    same-dtype result, the rule for matmul and attention applies as well: the kernel's
+    relative error may be at most twice the baseline's.
+    """
+    if not isinstance(out, torch.Tensor):
+        return Comparison(False, f"expected a tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(ref.shape):
+        return Comparison(False, f"shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    dtype = dtype or out.dtype
+    tol = tolerance(dtype, op)
+    if out.numel() == 0:
+        return Comparison(True, "empty", 0.0)
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    bad_nan = (~torch.isfinite(out64)) & torch.isfinite(ref64)
+    if bad_nan.any():
+        idx = tuple(int(i) for i in bad_nan.nonzero()[0])
+        return Comparison(
+            False,
+            f"{int(bad_nan.sum())} non-finite values where the reference is "
+            f"finite (first at index {idx}): unwritten or overflowing output?",
+        )
+    err = (out64 - ref64).abs()
+    err = torch.where(torch.isfinite(ref64), err, torch.zeros_like(err))
+    max_abs = err.max().item()
+    limit = tol.atol + tol.rtol * ref64.abs()
+    within = bool((err <= limit).all())
+    if baseline is not None:
+        mine, theirs = relative_error(out, ref), relative_error(baseline, ref)
+        if mine <= 2 * theirs:
+            return Comparison(
+                True, f"relative error {mine:.2e} <= 2 x torch's {theirs:.2e}", max_abs
+            )
+        if not within:
+            return Comparison(
+                False,
+                f"relative error {mine:.2e} > 2 x torch's {theirs:.2e} "
+                f"and max abs error {max_abs:.2e} beyond atol={tol.atol}, "
+                f"rtol={tol.rtol}",
+                max_abs,
+            )
+    if not within:
+        idx = tuple(int(i) for i in (err - limit).flatten().argmax().unsqueeze(0))
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx[0]), err.shape))
+        return Comparison(
+            False,
+            f"max abs error {max_abs:.3g} at index {where} "
+            f"(got {out64[where].item():.6g}, expected {ref64[where].item():.6g}); "
+            f"tolerance atol={tol.atol}, rtol={tol.rtol} for {dtype} {op}",
+            max_abs,
+        )
+    return Comparison(True, f"max abs error {max_abs:.2e}", max_abs)
+
+
+def assert_close(out, ref, *, op: str, dtype: torch.dtype | None = None, baseline=None) -> None:
+    """`compare`, raising AssertionError with its message on failure."""
+    result = compare(out, ref, op=op, dtype=dtype, baseline=baseline)
+    if not result.ok:
+        raise AssertionError(result.message)
+
+
+def random_tensor(shape, dtype=torch.float32, *, seed: int, device=None, scale: float = 1.0):
+    """Fresh normal(0.5 scale, scale) values: non-trivial magnitude, never zeros, new per seed."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=gen, dtype=torch.float32) * scale + 0.5 * scale
+    return values.to(dtype=dtype, device=device or DEVICE)
+
+
+def _poison_value(dtype: torch.dtype):
+    if dtype.is_floating_point or dtype.is_complex:
+        return math.nan
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).max
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Within the block, torch.empty / empty_like / empty_strided return memory filled with NaN
+    (or the dtype's max for integers), so elements a kernel fails to write show up as wrong."""
+    originals = {name: getattr(torch, name) for name in ("empty", "empty_like", "empty_strided")}
+
+    def wrap(allocate):
+        def poisoned(*args, **kwargs):
+            t = allocate(*args, **kwargs)
+            if t.numel():
+                t.fill_(_poison_value(t.dtype))
+            return t
+
+        return poisoned
+
+    for name, allocate in originals.items():
+        setattr(torch, name, wrap(allocate))
+    try:
+        yield
+    finally:
+        for name, allocate in originals.items():
+            setattr(torch, name, allocate)

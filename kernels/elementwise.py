@@ -1,0 +1,75 @@
+"""Elementwise kernels: vector add and fused bias + GELU.
+
+Both are memory-bound: add reads 2N and writes N elements; bias_gelu reads N (plus the
+bias, once per row block) and writes N. One program handles BLOCK_SIZE elements.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.validate import check_same, check_tensor
+
+BLOCK_SIZE = 1024
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: tensors may pass 2**31 elements
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + y, mask=mask)
+
+
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y for two tensors of one shape and dtype."""
+    check_tensor("x", x)
+    check_tensor("y", y)
+    check_same("x and y", x, y)
+    x, y = x.contiguous(), y.contiguous()  # flat indexing below needs dense memory
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        add_kernel[(triton.cdiv(n, BLOCK_SIZE),)](x, y, out, n, BLOCK_SIZE=BLOCK_SIZE)
+    return out
+
+
+def add_ref(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+@triton.jit
+def bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_elements, n_cols, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    b = tl.load(bias_ptr + offsets % n_cols, mask=mask).to(tl.float32)
+    z = x + b
+    # exact GELU: z * Phi(z) = 0.5 z (1 + erf(z / sqrt(2)))
+    out = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU(x + bias), bias broadcast over the last dim; exact (erf) GELU, computed in fp32."""
+    check_tensor("x", x, min_ndim=1)
+    check_tensor("bias", bias, ndim=1)
+    check_same("x and bias", x, bias, shape=False)
+    if bias.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"bias must have x's last dim: x {tuple(x.shape)}, bias {tuple(bias.shape)}"
+        )
+    x, bias = x.contiguous(), bias.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        grid = (triton.cdiv(n, BLOCK_SIZE),)
+        bias_gelu_kernel[grid](x, bias, out, n, x.shape[-1], BLOCK_SIZE=BLOCK_SIZE)
+    return out
+
+
+def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x.float() + bias.float()).to(x.dtype)

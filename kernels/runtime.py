@@ -1,0 +1,67 @@
+"""Which of the course's two modes this process runs in.
+
+GPU mode: a CUDA device is present; Triton compiles kernels for it.
+CPU mode: no GPU (laptops, CI); Triton's interpreter runs kernels on CPU tensors.
+
+The interpreter is chosen by TRITON_INTERPRET, which Triton reads when `@triton.jit`
+decorates a function, so this module must be imported before any kernel module is:
+`import kernels` does that.
+"""
+
+import os
+
+import torch
+
+ON_GPU: bool = torch.cuda.is_available()
+
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE: torch.device = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def pick(cpu, gpu):
+    """Return `gpu` on a GPU machine and `cpu` otherwise: problem sizes, repeat counts."""
+    return gpu if ON_GPU else cpu
+
+
+def device_name() -> str:
+    """The GPU's name ("NVIDIA H200"), or "cpu"."""
+    return torch.cuda.get_device_name() if ON_GPU else "cpu"
+
+
+def versions() -> dict:
+    """The versions that decide what a kernel does and how fast, written beside every number."""
+    import platform
+
+    import numpy
+    import triton
+
+    info = {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "mode": "interpret" if INTERPRET else "compile",
+    }
+    if ON_GPU:
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _driver_version()
+    return info
+
+
+def _driver_version() -> str:
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown"
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "unknown"

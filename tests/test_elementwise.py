@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from kernels import check
+from kernels.elementwise import add, add_ref, bias_gelu, bias_gelu_ref
+from kernels.runtime import DEVICE
+
+CPU_DTYPES = [torch.float32, torch.float16]
+DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+SHAPES = [(1,), (3,), (1023,), (1025,), (4097,), (3, 127), (2, 3, 129)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_add_matches_reference(shape, dtype):
+    x = check.random_tensor(shape, dtype, seed=1)
+    y = check.random_tensor(shape, dtype, seed=2)
+    x0, y0 = x.clone(), y.clone()
+    with check.poisoned_allocations():
+        out = add(x, y)
+    check.assert_close(out, add_ref(x.double(), y.double()), op="elementwise", dtype=dtype)
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 127), (129, 33), (2, 5, 1000)], ids=str)
+def test_bias_gelu_matches_reference(shape, dtype):
+    x = check.random_tensor(shape, dtype, seed=3, scale=2.0)
+    bias = check.random_tensor(shape[-1:], dtype, seed=4)
+    with check.poisoned_allocations():
+        out = bias_gelu(x, bias)
+    ref = bias_gelu_ref(x.double(), bias.double())
+    check.assert_close(out, ref, op="elementwise", dtype=dtype)
+
+
+def test_non_contiguous_and_empty_inputs():
+    x = check.random_tensor((64, 48), seed=5).t()
+    y = check.random_tensor((48, 64), seed=6)
+    check.assert_close(add(x, y), x.double() + y.double(), op="elementwise")
+    assert add(x[:0], y[:0]).shape == (0, 64)
+    assert bias_gelu(x[:0], y[0, :64]).shape == (0, 64)
+
+
+def test_bad_inputs_get_clear_errors():
+    x = check.random_tensor((4, 8), seed=7)
+    with pytest.raises(TypeError, match="supported: float32, float16, bfloat16"):
+        add(x.int(), x.int())
+    with pytest.raises(TypeError, match="share a dtype"):
+        add(x, x.half())
+    with pytest.raises(ValueError, match=r"same shape.*\(4, 8\).*\(8, 4\)"):
+        add(x, x.t())
+    with pytest.raises(ValueError, match="last dim"):
+        bias_gelu(x, x[0, :4].contiguous())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        add(x, [1.0])
+    elsewhere = torch.empty(4, 8, device="meta")
+    with pytest.raises(ValueError, match=f"is on meta but the kernels run on {DEVICE.type}"):
+        add(elsewhere, elsewhere)
