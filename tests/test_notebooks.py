@@ -1,0 +1,56 @@
+"""Stored notebook outputs come from a recorded run of the current code."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kernels import notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = sorted((ROOT / "chapters").glob("*.ipynb")) + sorted(
+    (ROOT / "solutions").glob("*.ipynb")
+)
+MAX_BYTES = 2 * 1024 * 1024
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_outputs_were_recorded_from_the_current_code(path):
+    problem = notebook.check_recorded(path)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_notebook_stays_small(path):
+    assert path.stat().st_size < MAX_BYTES, f"{path.name} is {path.stat().st_size / 1e6:.1f} MB"
+
+
+def _tiny_notebook(tmp_path, source):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# demo"), nbformat.v4.new_code_cell(source)]
+    path = tmp_path / "demo.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_runner_records_outputs_and_metadata(tmp_path):
+    path = _tiny_notebook(tmp_path, "import kernels\nprint(6 * 7, kernels.ON_GPU)")
+    assert "no recorded run" in notebook.check_recorded(path)
+    meta = notebook.record(path, timeout=120)
+    nb = nbformat.read(path, as_version=4)
+    assert nb.cells[1].outputs[0]["text"].startswith("42")
+    assert nb.cells[1].execution_count == 1
+    assert nb.metadata["recorded"] == meta
+    assert meta["device"] and meta["torch"] and meta["triton"] and meta["date"]
+    assert notebook.check_recorded(path) is None
+    nb.cells[1].source += "\nprint('edited')"
+    nbformat.write(nb, path)
+    assert "edited after its outputs were recorded" in notebook.check_recorded(path)
+
+
+def test_code_hash_ignores_markdown_and_outputs(tmp_path):
+    nb = nbformat.read(_tiny_notebook(tmp_path, "x = 1"), as_version=4)
+    before = notebook.code_hash(nb)
+    nb.cells[0].source = "# another title"
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="1")]
+    assert notebook.code_hash(nb) == before
