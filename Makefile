@@ -38,7 +38,7 @@ lab: setup
 
 # Execute notebooks and store their outputs with the record of the run (device, versions).
 record: setup
-	$(PY) -m kernels record chapters/*.ipynb solutions/*.ipynb
+	$(PY) -m kernels record $(NOTEBOOKS)
 
 # On a GPU machine (no network needed): GPU tests, benchmarks, chapters re-recorded, all packed
 # into $(OUT)/gpu-record.tar.gz. Needs torch, triton, pytest, nbclient, ipykernel, nbval.

@@ -81,7 +81,8 @@ def _check_positive(**values):
 def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None) -> dict:
     """The machine's own ceilings, measured now (they drift between runs and machines).
 
-    copy_gbps: a device-to-device copy, counting bytes read plus bytes written.
+    copy_gbps: a device-to-device copy, counting bytes read plus bytes written (a kernel that
+    reads more than it writes can go a few percent past it: DRAM turns around less often).
     matmul_tflops: 2*n^3 / time for an n x n x n `torch.matmul` per dtype (cuBLAS on a GPU,
     the CPU's BLAS otherwise), on random inputs; fp32 at torch's default "highest" precision.
     """
