@@ -162,20 +162,24 @@ def first_repeat_above(repeats, ms, factor: float = 1.25) -> int:
     raise ValueError(f"no time in the sweep exceeds {factor} x the first")
 
 
-def loop_us(fn, *args, budget_s: float = 0.05, max_calls: int = 1 << 16) -> float:
+def loop_us(fn, *args, budget_s: float = 0.05, rounds: int = 5, max_calls: int = 1 << 16) -> float:
     """Microseconds per call of `fn(*args)` issued back to back from a Python loop, synchronizing
     once at the end: the rate a training loop sees, overhead included (unlike `time_ms` on a
-    GPU, which times the device). Doubles the calls until they take `budget_s`."""
+    GPU, which times the device). The best of `rounds` loops of about `budget_s / rounds` each,
+    as timeit does: other processes only ever add time."""
     sync = torch.cuda.synchronize if ON_GPU else (lambda: None)
-    fn(*args)  # warm-up: caches, allocator, compilation
-    sync()
-    calls = 1
-    while True:
+
+    def seconds(calls):
         start = time.perf_counter()
         for _ in range(calls):
             fn(*args)
         sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= budget_s or calls >= max_calls:
-            return elapsed / calls * 1e6
+        return time.perf_counter() - start
+
+    seconds(1)  # warm-up: caches, allocator, compilation
+    calls, elapsed = 1, seconds(1)
+    while elapsed < budget_s / rounds and calls < max_calls:
         calls *= 2
+        elapsed = seconds(calls)
+    best = min([elapsed] + [seconds(calls) for _ in range(rounds - 1)])
+    return best / calls * 1e6
