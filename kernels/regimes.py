@@ -132,10 +132,10 @@ def cos_cos_ref(x: torch.Tensor) -> torch.Tensor:
 # ---- reading the measurements ----
 
 
-def sweep_knee(repeats, ms, flat_points: int = 3, linear_points: int = 3) -> float:
-    """Where the repeat sweep bends: the `repeat` at which the flat line (the median time of
-    the `flat_points` smallest repeats: memory-bound) meets the line through the origin fitted
-    to the `linear_points` largest (compute-bound: time proportional to repeat)."""
+def sweep_lines(repeats, ms, flat_points: int = 3, linear_points: int = 3):
+    """The two lines of a repeat sweep, (flat_ms, ms_per_repeat): the flat one is the median
+    time of the `flat_points` smallest repeats (memory-bound); the other goes through the origin,
+    fitted to the `linear_points` largest (compute-bound: time proportional to repeat)."""
     if len(repeats) != len(ms):
         raise ValueError(f"repeats and ms differ in length: {len(repeats)} and {len(ms)}")
     if len(repeats) < flat_points + linear_points:
@@ -151,6 +151,12 @@ def sweep_knee(repeats, ms, flat_points: int = 3, linear_points: int = 3) -> flo
         )
     # least squares for t = slope * r
     slope = sum(a * b for a, b in zip(r, t, strict=True)) / sum(a * a for a in r)
+    return flat, slope
+
+
+def sweep_knee(repeats, ms, flat_points: int = 3, linear_points: int = 3) -> float:
+    """Where the repeat sweep bends: the `repeat` at which its two lines meet."""
+    flat, slope = sweep_lines(repeats, ms, flat_points, linear_points)
     return flat / slope
 
 

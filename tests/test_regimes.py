@@ -143,3 +143,9 @@ def test_benchmark_rows(monkeypatch):
     assert [r["unit"] for r in rows] == ["GB/s", "GB/s", "TFLOP/s", "TFLOP/s", "GB/s"]
     assert set(rows[-1]["baselines"]) == {"torch eager", "torch.compile"}
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_sweep_lines_are_the_flat_time_and_the_cost_per_repeat():
+    repeats = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    flat, slope = regimes.sweep_lines(repeats, [max(0.5, r / 100) for r in repeats])
+    assert flat == pytest.approx(0.5) and slope == pytest.approx(0.01)
