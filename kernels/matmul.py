@@ -66,7 +66,7 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(block_m, block_n, block_k, num_warps, num_stages, group_m=8):
+def tile_config(block_m, block_n, block_k, num_warps, num_stages, group_m=8):
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m}
     return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
 
@@ -75,16 +75,16 @@ def _config(block_m, block_n, block_k, num_warps, num_stages, group_m=8):
 # smaller ones so that small problems still make enough tiles for 132 SMs; the BLOCK_K=32
 # ones leave room in shared memory for fp32's larger tiles.
 CONFIGS = [
-    _config(128, 256, 64, num_warps=8, num_stages=3),
-    _config(256, 128, 64, num_warps=8, num_stages=3),
-    _config(128, 128, 64, num_warps=8, num_stages=4),
-    _config(128, 128, 64, num_warps=4, num_stages=4),
-    _config(64, 128, 64, num_warps=4, num_stages=4),
-    _config(128, 128, 32, num_warps=8, num_stages=3),
-    _config(64, 128, 32, num_warps=4, num_stages=4),
+    tile_config(128, 256, 64, num_warps=8, num_stages=3),
+    tile_config(256, 128, 64, num_warps=8, num_stages=3),
+    tile_config(128, 128, 64, num_warps=8, num_stages=4),
+    tile_config(128, 128, 64, num_warps=4, num_stages=4),
+    tile_config(64, 128, 64, num_warps=4, num_stages=4),
+    tile_config(128, 128, 32, num_warps=8, num_stages=3),
+    tile_config(64, 128, 32, num_warps=4, num_stages=4),
 ]
 # The interpreter runs programs one after another in Python: one small config, no tuning.
-INTERPRETER_CONFIG = _config(32, 32, 32, num_warps=4, num_stages=1)
+INTERPRETER_CONFIG = tile_config(32, 32, 32, num_warps=4, num_stages=1)
 
 
 def shared_memory_bytes(config, element_size: int) -> int:
@@ -93,11 +93,16 @@ def shared_memory_bytes(config, element_size: int) -> int:
     return config.num_stages * (m * k + k * n) * element_size
 
 
-def _configs_that_fit(configs, named_args, **kwargs):
+def shared_memory_limit(device_index: int = 0) -> int:
+    """Bytes of shared memory one program may use on this GPU (227 KiB on Hopper)."""
     from triton.runtime import driver
 
+    return driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def _configs_that_fit(configs, named_args, **kwargs):
     a = named_args["a_ptr"]
-    limit = driver.active.utils.get_device_properties(a.device.index)["max_shared_mem"]
+    limit = shared_memory_limit(a.device.index)
     fitting = [c for c in configs if shared_memory_bytes(c, a.element_size()) <= limit]
     return fitting or [min(configs, key=lambda c: shared_memory_bytes(c, a.element_size()))]
 
