@@ -100,17 +100,28 @@ def shared_memory_limit(device_index: int = 0) -> int:
     return driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
-def _configs_that_fit(configs, named_args, **kwargs):
+def configs_to_try(configs, m: int, n: int, element_size: int, limit: int):
+    """The configs worth timing for an m x n output: those whose slabs fit in `limit` bytes of
+    shared memory; and when the output is no bigger than the largest tile, only the smallest
+    tile (bigger ones only add masked work and leave SMs idle), which needs no timing at all."""
+    size = lambda c: shared_memory_bytes(c, element_size)
+    fitting = [c for c in configs if size(c) <= limit] or [min(configs, key=size)]
+    area = lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+    if m * n <= max(area(c) for c in fitting):
+        return [min(fitting, key=area)]
+    return fitting
+
+
+def _prune(configs, named_args, **kwargs):
     a = named_args["a_ptr"]
     limit = shared_memory_limit(a.device.index)
-    fitting = [c for c in configs if shared_memory_bytes(c, a.element_size()) <= limit]
-    return fitting or [min(configs, key=lambda c: shared_memory_bytes(c, a.element_size()))]
+    return configs_to_try(configs, named_args["M"], named_args["N"], a.element_size(), limit)
 
 
 matmul_kernel_autotuned = triton.autotune(
     configs=CONFIGS,
     key=["M", "N", "K", "INPUT_PRECISION"],  # the autotuner adds the dtypes itself
-    prune_configs_by={"early_config_prune": _configs_that_fit},
+    prune_configs_by={"early_config_prune": _prune},
 )(matmul_kernel)
 
 
