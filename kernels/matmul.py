@@ -161,19 +161,21 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torc
         acc = torch.zeros((M, N), dtype=torch.float32, device=a.device)
         return _epilogue_ref(acc, bias, activation).to(a.dtype)
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    args = (a, b, c, c if bias is None else bias.contiguous(), M, N, K, *a.stride(), *b.stride())
+    has_bias = bias is not None
+    bias = bias.contiguous() if has_bias else c  # without a bias, c stands in and is never read
+    args = (a, b, c, bias, M, N, K, *a.stride(), *b.stride(), *c.stride())
     flags = {
-        "HAS_BIAS": bias is not None,
+        "HAS_BIAS": has_bias,
         "ACTIVATION": activation or "none",
         "INPUT_PRECISION": input_precision(a.dtype),
     }
     if INTERPRET:
         meta = INTERPRETER_CONFIG.kwargs
         grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        matmul_kernel[grid](*args, *c.stride(), **flags, **meta)
+        matmul_kernel[grid](*args, **flags, **meta)
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        matmul_kernel_autotuned[grid](*args, *c.stride(), **flags)
+        matmul_kernel_autotuned[grid](*args, **flags)
     return c
 
 
