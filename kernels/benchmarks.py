@@ -81,7 +81,47 @@ def bench_regimes(ceilings):
     return rows
 
 
-BENCHMARKS = {"add": bench_add, "regimes": bench_regimes}
+def bench_matmul(ceilings):
+    """Squares in bf16 and fp16, LLM layer shapes (x @ W.t() with W an (N, K) nn.Linear weight),
+    and fp32 both as IEEE (torch's default "highest") and with TF32 allowed: 2*M*N*K FLOPs."""
+    from kernels.matmul import matmul
+
+    def row(label, a, b, dtype, ceilings=ceilings):
+        flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        torch_ms = bench.time_ms(torch.matmul, a, b)
+        ms = bench.time_ms(matmul, a, b)
+        baselines = {"torch.matmul": torch_ms}
+        return _row(
+            f"matmul {label}", ms, flops=flops, ceilings=ceilings, dtype=dtype, baselines=baselines
+        )
+
+    randn = lambda *shape, dtype=torch.float32: torch.randn(*shape, device=DEVICE, dtype=dtype)
+    rows = []
+    for name in ("bf16", "fp16"):
+        dtype = bench.DTYPE_NAMES[name]
+        for n in (1024, 2048, 4096, 8192):
+            a, b = randn(n, n, dtype=dtype), randn(n, n, dtype=dtype)
+            rows.append(row(f"{name} {n}^3", a, b, name))
+    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
+        x, weight = randn(4096, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16)
+        rows.append(row(f"bf16 4096x{n}x{k} Wt", x, weight.t(), "bf16"))
+    a, b = randn(4096, 4096), randn(4096, 4096)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        rows.append(row("fp32 ieee 4096^3", a, b, "fp32"))
+        torch.set_float32_matmul_precision("high")
+        # The TF32 ceiling, measured like the others (8192 cubed through torch)
+        big = randn(8192, 8192)
+        tf32 = bench.achieved_tflops(2 * 8192**3, bench.time_ms(torch.matmul, big, big))
+        tf32_ceilings = {**ceilings, "matmul_tflops": {**ceilings["matmul_tflops"], "tf32": tf32}}
+        rows.append(row("fp32 tf32 4096^3", a, b, "tf32", tf32_ceilings))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return rows
+
+
+BENCHMARKS = {"add": bench_add, "regimes": bench_regimes, "matmul": bench_matmul}
 
 
 def run(names=None, ceilings=None):

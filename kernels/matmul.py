@@ -1,0 +1,197 @@
+"""Matrix multiplication with a fused epilogue: act(a @ b + bias).
+
+a (M, K) @ b (K, N) does 2*M*N*K FLOPs and must move at least (M*K + K*N + M*N) elements,
+so for large sizes it is compute-bound. Each program computes one BLOCK_M x BLOCK_N tile of
+the output, accumulating in fp32 over K in steps of BLOCK_K; each element it loads is used
+BLOCK_N (for a) or BLOCK_M (for b) times. Bias and activation are applied to the fp32 tile
+before its one store, which saves a round trip of the M x N output through memory.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.runtime import INTERPRET
+from kernels.validate import check_same, check_tensor
+
+ACTIVATIONS = (None, "gelu", "relu")
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped order: consecutive programs walk down a column of GROUP_M tiles before moving
+    # right, so the rows of a and columns of b they share are still in L2 when read again.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * tiles_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_height = tl.minimum(tiles_m - first_m, GROUP_M)
+    in_group = pid % tiles_per_group
+    pid_m = first_m + in_group % group_height
+    pid_n = in_group // group_height
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Rows and columns past the edge wrap onto valid ones, so loads need a mask only along K;
+    # the store drops them. 64-bit: row * stride can pass 2**31 for large operands.
+    rows_in = (rows % M).to(tl.int64)
+    cols_in = (cols % N).to(tl.int64)
+    a_ptrs = a_ptr + rows_in[:, None] * stride_am + ks[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols_in[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=ks[None, :] < K - k0, other=0.0)
+        b = tl.load(b_ptrs, mask=ks[:, None] < K - k0, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Epilogue, on the fp32 tile while it is still in registers.
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    if ACTIVATION == "gelu":  # exact GELU: z * Phi(z) = 0.5 z (1 + erf(z / sqrt(2)))
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+    elif ACTIVATION == "relu":
+        acc = tl.maximum(acc, 0.0)
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def tile_config(block_m, block_n, block_k, num_warps, num_stages, group_m=8):
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m}
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
+
+
+# Hopper (H100/H200) candidates: large tiles for large problems (more reuse per byte loaded),
+# smaller ones so that small problems still make enough tiles for 132 SMs; the BLOCK_K=32
+# ones leave room in shared memory for fp32's larger tiles.
+CONFIGS = [
+    tile_config(128, 256, 64, num_warps=8, num_stages=3),
+    tile_config(256, 128, 64, num_warps=8, num_stages=3),
+    tile_config(128, 128, 64, num_warps=8, num_stages=4),
+    tile_config(128, 128, 64, num_warps=4, num_stages=4),
+    tile_config(64, 128, 64, num_warps=4, num_stages=4),
+    tile_config(128, 128, 32, num_warps=8, num_stages=3),
+    tile_config(64, 128, 32, num_warps=4, num_stages=4),
+]
+# The interpreter runs programs one after another in Python: one small config, no tuning.
+INTERPRETER_CONFIG = tile_config(32, 32, 32, num_warps=4, num_stages=1)
+
+
+def shared_memory_bytes(config, element_size: int) -> int:
+    """Shared memory the software pipeline needs: num_stages copies of an A and a B tile."""
+    m, n, k = (config.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    return config.num_stages * (m * k + k * n) * element_size
+
+
+def shared_memory_limit(device_index: int = 0) -> int:
+    """Bytes of shared memory one program may use on this GPU (227 KiB on Hopper)."""
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def configs_to_try(configs, m: int, n: int, element_size: int, limit: int):
+    """The configs worth timing for an m x n output: those whose slabs fit in `limit` bytes of
+    shared memory; and when the output is no bigger than the largest tile, only the smallest
+    tile (bigger ones only add masked work and leave SMs idle), which needs no timing at all."""
+    size = lambda c: shared_memory_bytes(c, element_size)
+    fitting = [c for c in configs if size(c) <= limit] or [min(configs, key=size)]
+    area = lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+    if m * n <= max(area(c) for c in fitting):
+        return [min(fitting, key=area)]
+    return fitting
+
+
+def _prune(configs, named_args, **kwargs):
+    a = named_args["a_ptr"]
+    limit = shared_memory_limit(a.device.index)
+    return configs_to_try(configs, named_args["M"], named_args["N"], a.element_size(), limit)
+
+
+matmul_kernel_autotuned = triton.autotune(
+    configs=CONFIGS,
+    key=["M", "N", "K", "INPUT_PRECISION"],  # the autotuner adds the dtypes itself
+    prune_configs_by={"early_config_prune": _prune},
+)(matmul_kernel)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """fp32 follows torch: "highest" (the default) means IEEE fp32, otherwise TF32 is allowed.
+    fp16 and bf16 go to the tensor cores as they are."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def _check(a, b, bias, activation):
+    check_tensor("a", a, ndim=2)
+    check_tensor("b", b, ndim=2)
+    check_same("a and b", a, b, shape=False)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"a @ b needs a's columns to match b's rows: a {tuple(a.shape)}, b {tuple(b.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        check_same("a and bias", a, bias, shape=False)
+        if bias.shape[0] != b.shape[1]:
+            raise ValueError(f"bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu"
+    (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype."""
+    _check(a, b, bias, activation)
+    (M, K), N = a.shape, b.shape[1]
+    if M == 0 or N == 0:
+        return torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if K == 0:  # an empty sum: zeros, then the epilogue
+        acc = torch.zeros((M, N), dtype=torch.float32, device=a.device)
+        return _epilogue_ref(acc, bias, activation).to(a.dtype)
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    has_bias = bias is not None
+    bias = bias.contiguous() if has_bias else c  # without a bias, c stands in and is never read
+    args = (a, b, c, bias, M, N, K, *a.stride(), *b.stride(), *c.stride())
+    flags = {
+        "HAS_BIAS": has_bias,
+        "ACTIVATION": activation or "none",
+        "INPUT_PRECISION": input_precision(a.dtype),
+    }
+    if INTERPRET:
+        meta = INTERPRETER_CONFIG.kwargs
+        grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        matmul_kernel[grid](*args, **flags, **meta)
+    else:
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        matmul_kernel_autotuned[grid](*args, **flags)
+    return c
+
+
+def _epilogue_ref(acc, bias, activation):
+    if bias is not None:
+        acc = acc + bias.to(acc.dtype)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(acc)
+    if activation == "relu":
+        return torch.relu(acc)
+    return acc
+
+
+def matmul_ref(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """PyTorch's act(a @ b + bias), computed in fp32 (fp64 for fp64 inputs), output in a's dtype.
+    Reads M*K + K*N elements, writes M*N (plus a round trip of M*N for each of bias and act)."""
+    compute = torch.promote_types(a.dtype, torch.float32)
+    acc = a.to(compute) @ b.to(compute)
+    return _epilogue_ref(acc, bias, activation).to(a.dtype)

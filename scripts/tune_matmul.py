@@ -1,0 +1,201 @@
+"""Pick kernels.matmul's autotuning configs on a GPU: check, then time, every candidate config
+on the benchmark's shapes, against torch.matmul (cuBLAS) on the same inputs.
+
+    python scripts/tune_matmul.py                   # bf16 and fp16, all candidates
+    python scripts/tune_matmul.py --dtypes bf16 --tma
+
+Prints, per shape, each config's TFLOP/s and its ratio to torch.matmul (best marked *), the
+autotuned kernels.matmul on the same shapes, and a short list of configs that together stay
+close to the best on every shape: a candidate for kernels.matmul.CONFIGS. `--tma` also times a
+variant that loads tiles through tensor descriptors (TMA, Hopper and later), as an experiment.
+"""
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels  # noqa: F401  (fixes the mode before kernels are defined)
+from kernels import bench, check
+from kernels.matmul import (
+    CONFIGS,
+    matmul,
+    matmul_kernel,
+    shared_memory_bytes,
+    shared_memory_limit,
+    tile_config,
+)
+from kernels.runtime import DEVICE, ON_GPU
+
+EXTRA_CANDIDATES = [
+    tile_config(128, 256, 64, num_warps=8, num_stages=4),
+    tile_config(256, 128, 64, num_warps=8, num_stages=4),
+    tile_config(128, 256, 32, num_warps=8, num_stages=4),
+    tile_config(128, 128, 128, num_warps=8, num_stages=3),
+    tile_config(64, 256, 64, num_warps=4, num_stages=4),
+    tile_config(128, 256, 64, num_warps=8, num_stages=3, group_m=16),
+    tile_config(128, 256, 64, num_warps=8, num_stages=3, group_m=4),
+]
+SQUARES = (1024, 2048, 4096, 8192)
+LLM = ((4096, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336))  # x @ W.t(), (M, N, K)
+
+
+def label(config) -> str:
+    k = config.kwargs
+    return (
+        f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{config.num_warps} "
+        f"s{config.num_stages} g{k['GROUP_M']}"
+    )
+
+
+def launch(config, a, b):
+    (m, k), n = a.shape, b.shape[1]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    meta = config.kwargs
+    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    matmul_kernel[grid](
+        a, b, c, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
+        HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages, **meta,
+    )  # fmt: skip
+    return c
+
+
+@triton.jit
+def tma_matmul_kernel(
+    a_desc, b_desc, c_desc, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # The same grouped tiles, but each tile arrives by one TMA copy; edges are zero-filled.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * tiles_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_group) % group_height
+    pid_n = (pid % tiles_per_group) // group_height
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        b = b_desc.load([k0, pid_n * BLOCK_N])
+        acc = tl.dot(a, b, acc)
+    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def launch_tma(config, a, b):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (m, k), n = a.shape, b.shape[1]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    meta = config.kwargs
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    descs = (
+        TensorDescriptor.from_tensor(a, [bm, bk]),
+        TensorDescriptor.from_tensor(b, [bk, bn]),
+        TensorDescriptor.from_tensor(c, [bm, bn]),
+    )
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tma_matmul_kernel[grid](
+        *descs, m, n, k, num_warps=config.num_warps, num_stages=config.num_stages, **meta
+    )
+    return c
+
+
+def measure(fn, a, b, torch_ms):
+    """(TFLOP/s, ratio to torch) after checking the result, or (None, reason)."""
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    try:
+        out = fn(a, b)
+        ref = a.float() @ b.float()
+        result = check.compare(out, ref, op="matmul", dtype=a.dtype, baseline=a @ b)
+        if not result.ok:
+            return None, f"WRONG: {result.message}"
+        ms = bench.time_ms(fn, a, b)
+    except Exception as exc:  # a config that does not compile or fit is reported, not fatal
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:60] if str(exc) else ''}"
+    return bench.achieved_tflops(flops, ms), torch_ms / ms
+
+
+def shapes(dtypes):
+    for name in dtypes:
+        for n in SQUARES:
+            yield f"{name} {n}^3", name, (n, n, n), False
+    if "bf16" in dtypes:
+        for m, n, k in LLM:
+            yield f"bf16 {m}x{n}x{k} Wt", "bf16", (m, n, k), True
+
+
+def operands(dtype, m, n, k, transposed_b):
+    a = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    if transposed_b:  # an nn.Linear weight (N, K), used as W.t()
+        return a, torch.randn(n, k, device=DEVICE, dtype=dtype).t()
+    return a, torch.randn(k, n, device=DEVICE, dtype=dtype)
+
+
+def pick_configs(ratios, max_configs=5, tolerance=0.01):
+    """Greedy: add the config that most raises the sum over shapes of the best ratio so far,
+    until every shape is within `tolerance` of its best or max_configs are chosen."""
+    shape_names = {s for r in ratios.values() for s in r}
+    best = {s: max(r.get(s, 0.0) for r in ratios.values()) for s in shape_names}
+    chosen = []
+    while len(chosen) < max_configs:
+        score = lambda cfg: sum(max(ratios[c].get(s, 0.0) for c in chosen + [cfg]) for s in best)
+        chosen.append(max((c for c in ratios if c not in chosen), key=score))
+        if all(max(ratios[c].get(s, 0.0) for c in chosen) >= best[s] - tolerance for s in best):
+            break
+    return chosen
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
+    parser.add_argument("--tma", action="store_true", help="also time the TMA variant")
+    args = parser.parse_args(argv)
+    if not ON_GPU:
+        print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing)")
+        return 1
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    limit = shared_memory_limit(DEVICE.index or 0)
+    candidates = [c for c in CONFIGS + EXTRA_CANDIDATES if shared_memory_bytes(c, 2) <= limit]
+    variants = [(label(c), c, launch) for c in candidates]
+    if args.tma:
+        variants += [("TMA " + label(c), c, launch_tma) for c in candidates]
+    ratios = {name: {} for name, _, _ in variants}
+    for shape_name, dtype_name, (m, n, k), transposed_b in shapes(args.dtypes):
+        a, b = operands(bench.DTYPE_NAMES[dtype_name], m, n, k, transposed_b)
+        torch_ms = bench.time_ms(torch.matmul, a, b)
+        flops = 2 * m * n * k
+        print(f"\n{shape_name}: torch.matmul {bench.achieved_tflops(flops, torch_ms):.0f} TFLOP/s")
+        rows = []
+        for name, config, fn in variants:
+            if fn is launch_tma and transposed_b:
+                continue  # TMA needs a unit last stride; W.t() has it on the other dim
+            tflops, ratio = measure(functools.partial(fn, config), a, b, torch_ms)
+            if tflops is not None:
+                ratios[name][shape_name] = ratio
+            rows.append((name, tflops, ratio))
+        rows.append(("kernels.matmul (autotuned)", *measure(matmul, a, b, torch_ms)))
+        best = max((r for _, t, r in rows if t is not None), default=None)
+        for name, tflops, ratio in rows:
+            if tflops is None:
+                print(f"  {name:34} {ratio}")
+            else:
+                mark = "*" if ratio == best else " "
+                print(f"  {name:34} {tflops:7.0f} TFLOP/s  {ratio:5.2f}x torch {mark}")
+        del a, b
+    ratios = {name: r for name, r in ratios.items() if r and not name.startswith("TMA")}
+    if ratios:
+        print("\nA short list that stays near the best on every shape (for CONFIGS):")
+        for name in pick_configs(ratios):
+            print(f"  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
