@@ -121,7 +121,69 @@ def bench_matmul(ceilings):
     return rows
 
 
-BENCHMARKS = {"add": bench_add, "regimes": bench_regimes, "matmul": bench_matmul}
+# Fusion (chapter 2): memory-bound ops at LLM-like shapes, against eager PyTorch and
+# torch.compile (default mode, specialised to each shape; compile time excluded).
+FUSION_SHAPES = ((4096, 4096), (16384, 8192))
+FUSION_DTYPES = ("bf16", "fp32")
+
+
+# Eager PyTorch baselines; all take (x, w, b) and use what they need.
+def _bias_gelu_eager(x, w, b):
+    return torch.nn.functional.gelu(x + b)
+
+
+def _softmax_eager(x, w, b):
+    return torch.softmax(x, dim=-1)
+
+
+def _rms_norm_eager(x, w, b):
+    return torch.nn.functional.rms_norm(x, x.shape[-1:], w, eps=1e-6)
+
+
+def _layer_norm_eager(x, w, b):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, eps=1e-5)
+
+
+def bench_fusion(ceilings, shapes=FUSION_SHAPES, dtypes=FUSION_DTYPES):
+    from kernels.elementwise import bias_gelu
+    from kernels.norm import layer_norm, rms_norm
+    from kernels.softmax import softmax
+
+    # op: (our kernel, eager PyTorch, how many length-n vectors it reads besides x)
+    ops = {
+        "bias_gelu": (lambda x, w, b: bias_gelu(x, b), _bias_gelu_eager, 1),
+        "softmax": (lambda x, w, b: softmax(x), _softmax_eager, 0),
+        "rms_norm": (lambda x, w, b: rms_norm(x, w), _rms_norm_eager, 1),
+        "layer_norm": (layer_norm, _layer_norm_eager, 2),
+    }
+    rows = []
+    for m, n in shapes:
+        for dtype_name in dtypes:
+            dtype = bench.DTYPE_NAMES[dtype_name]
+            x = torch.randn(m, n, device=DEVICE, dtype=dtype)
+            w = torch.randn(n, device=DEVICE, dtype=dtype)
+            b = torch.randn(n, device=DEVICE, dtype=dtype)
+            for op, (kernel, eager, n_vectors) in ops.items():
+                compiled = torch.compile(eager, dynamic=False)
+                compiled(x, w, b)  # compile now: compile time stays out of the timing
+                bytes_moved = (2 * m * n + n_vectors * n) * x.element_size()  # read x, write y
+                rows.append(
+                    _row(
+                        f"{op} {dtype_name} {m}x{n}",
+                        bench.time_ms(kernel, x, w, b),
+                        bytes_moved=bytes_moved,
+                        ceilings=ceilings,
+                        baselines={
+                            "torch": bench.time_ms(eager, x, w, b),
+                            "torch.compile": bench.time_ms(compiled, x, w, b),
+                        },
+                    )
+                )
+            del x, w, b
+    return rows
+
+
+BENCHMARKS = {"add": bench_add, "regimes": bench_regimes, "matmul": bench_matmul, "fusion": bench_fusion}
 
 
 def run(names=None, ceilings=None):

@@ -1,0 +1,162 @@
+import pytest
+import torch
+
+from kernels import check
+from kernels import norm as norm_module
+from kernels.norm import MAX_COLS, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
+from kernels.runtime import DEVICE
+
+CPU_DTYPES = [torch.float32, torch.float16]
+DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+SHAPES = [(1, 1), (4, 1), (3, 127), (5, 129), (129, 33), (2, 5, 1000), (3, 4097), (2, 3, 128)]
+OPS = {
+    "rms_norm": (rms_norm, rms_norm_ref, 1),  # (kernel, reference, number of parameters)
+    "layer_norm": (layer_norm, layer_norm_ref, 2),
+}
+
+
+def _inputs(shape, dtype, n_params, seed=0):
+    x = check.random_tensor(shape, dtype, seed=seed, scale=2.0)
+    params = [check.random_tensor(shape[-1:], dtype, seed=seed + 1 + i) for i in range(n_params)]
+    dy = check.random_tensor(shape, dtype, seed=seed + 9)
+    return x, params, dy
+
+
+def _forward_backward(fn, x, params, dy):
+    """fn's output and the gradients of <output, dy> for x and every parameter."""
+    x = x.detach().clone().requires_grad_()
+    params = [p.detach().clone().requires_grad_() for p in params]
+    y = fn(x, *params)
+    y.backward(dy)
+    return y.detach(), [x.grad] + [p.grad for p in params]
+
+
+def _check_against_fp64(op, x, params, dy):
+    kernel, reference, _ = OPS[op]
+    originals = [t.clone() for t in (x, *params, dy)]
+    with check.poisoned_allocations():
+        y, grads = _forward_backward(kernel, x, params, dy)
+    y_ref, grads_ref = _forward_backward(
+        reference, x.double(), [p.double() for p in params], dy.double()
+    )
+    assert y.dtype == x.dtype and y.is_contiguous()
+    check.assert_close(y, y_ref, op="reduction", dtype=x.dtype)
+    for name, g, g_ref in zip(["dx", "dw", "db"][: len(grads)], grads, grads_ref, strict=True):
+        assert g.dtype == x.dtype, f"{name} has dtype {g.dtype}"
+        result = check.compare(g, g_ref, op="reduction", dtype=x.dtype)
+        assert result.ok, f"{op} {name}: {result.message}"
+    for before, after in zip(originals, (x, *params, dy), strict=True):
+        assert torch.equal(before, after), "an input was modified"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_forward_and_backward_match_fp64_autograd(op, shape, dtype):
+    x, params, dy = _inputs(shape, dtype, OPS[op][2])
+    _check_against_fp64(op, x, params, dy)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n_rows", [1, 7, 8, 9, 1000], ids=lambda n: f"rows{n}")
+def test_weight_gradients_sum_over_every_row(op, n_rows):
+    # rows split unevenly among the programs that write partial sums
+    x, params, dy = _inputs((n_rows, 65), torch.float32, OPS[op][2], seed=3)
+    _check_against_fp64(op, x, params, dy)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_backward_is_deterministic(op):
+    x, params, dy = _inputs((300, 257), torch.float32, OPS[op][2], seed=4)
+    _, first = _forward_backward(OPS[op][0], x, params, dy)
+    _, second = _forward_backward(OPS[op][0], x, params, dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_non_contiguous_inputs_and_gradients(op):
+    kernel, reference, n_params = OPS[op]
+    base, params, _ = _inputs((40, 130), torch.float32, n_params, seed=5)
+    for x in (base.t(), base[:, 1:128], base[::3, ::2], base.view(4, 10, 130).permute(1, 0, 2)):
+        assert not x.is_contiguous()
+        p = [check.random_tensor(x.shape[-1:], seed=6 + i) for i in range(n_params)]
+        dy = check.random_tensor(x.shape, seed=8).transpose(0, -1).contiguous().transpose(0, -1)
+        _check_against_fp64(op, x, p, dy)
+    # y.sum().backward() hands the backward an expanded gradient: all strides 0
+    x = base.clone().requires_grad_()
+    kernel(x, *params).sum().backward()
+    x64 = base.double().requires_grad_()
+    reference(x64, *[q.double() for q in params]).sum().backward()
+    check.assert_close(x.grad, x64.grad, op="reduction")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_gradient_for_x_only_and_no_grad(op):
+    kernel, reference, n_params = OPS[op]
+    x, params, dy = _inputs((6, 50), torch.float32, n_params, seed=10)
+    xg = x.clone().requires_grad_()
+    kernel(xg, *params).backward(dy)
+    x64 = x.double().requires_grad_()
+    reference(x64, *[p.double() for p in params]).backward(dy.double())
+    check.assert_close(xg.grad, x64.grad, op="reduction")
+    with torch.no_grad():
+        y = kernel(x, *params)
+    assert not y.requires_grad
+    check.assert_close(y, reference(x.double(), *[p.double() for p in params]), op="reduction")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [(0, 8), (4, 0), (2, 0, 3)], ids=str)
+def test_empty_tensors_launch_nothing(op, shape, monkeypatch):
+    for name in ("rms_norm_fwd_kernel", "layer_norm_fwd_kernel", "norm_bwd_kernel"):
+        monkeypatch.setattr(norm_module, name, None)  # any launch would fail
+    kernel, _, n_params = OPS[op]
+    x = torch.empty(shape, device=DEVICE).requires_grad_()
+    params = [torch.randn(shape[-1], device=DEVICE).requires_grad_() for _ in range(n_params)]
+    y = kernel(x, *params)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    for p in params:  # a sum over no rows is zero
+        assert torch.equal(p.grad, torch.zeros_like(p))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bad_inputs_get_clear_errors(op):
+    kernel, _, n_params = OPS[op]
+    x = check.random_tensor((4, 8), seed=11)
+    params = [check.random_tensor((8,), seed=12 + i) for i in range(n_params)]
+    with pytest.raises(TypeError, match="supported: float32, float16, bfloat16"):
+        kernel(x.int(), *params)
+    with pytest.raises(TypeError, match="share a dtype"):
+        kernel(x, *[p.half() for p in params])
+    with pytest.raises(ValueError, match=r"must have x's last dim: x \(4, 8\), weight \(7,\)"):
+        kernel(x, *[p[:7] for p in params])
+    with pytest.raises(ValueError, match=r"weight must have 1 dims, got shape \(1, 8\)"):
+        kernel(x, *[p[None] for p in params])
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        kernel(x, *[None for _ in params])
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        kernel(x, *params, eps=-1.0)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        kernel(x, *params, eps="small")
+    long_row = torch.empty(1, MAX_COLS + 1, device=DEVICE)
+    with pytest.raises(ValueError, match=f"longer than {MAX_COLS}"):
+        kernel(long_row, *[torch.empty(MAX_COLS + 1, device=DEVICE) for _ in params])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_long_rows_on_gpu(op):
+    x, params, dy = _inputs((3, 40000), torch.bfloat16, OPS[op][2], seed=13)
+    _check_against_fp64(op, x, params, dy)
+
+
+@pytest.mark.gpu
+def test_offsets_past_2_to_the_31():
+    rows = 2**31 // 4096 + 2
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    out = rms_norm(x, w)
+    tail = slice(rows - 3, rows)
+    check.assert_close(out[tail], rms_norm_ref(x[tail].double(), w.double()), op="reduction")
