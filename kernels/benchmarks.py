@@ -263,7 +263,13 @@ def bench_attention(ceilings):
     return rows
 
 
-BENCHMARKS = {"add": bench_add, "regimes": bench_regimes, "matmul": bench_matmul, "fusion": bench_fusion, "attention": bench_attention}
+BENCHMARKS = {
+    "add": bench_add,
+    "regimes": bench_regimes,
+    "matmul": bench_matmul,
+    "fusion": bench_fusion,
+    "attention": bench_attention,
+}
 
 
 def run(names=None, ceilings=None):
