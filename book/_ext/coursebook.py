@@ -1,0 +1,156 @@
+"""The course's Sphinx extension: gathers the notebooks and tables where their numbers came from.
+
+- At `builder-inited`, the files under `chapters/`, `labs/` and `kernels/` at the repository
+  root are copied into the book's source folder (`book/chapters/` etc., git-ignored), keeping
+  their modification times so that an unchanged notebook is not read again; copies whose
+  original is gone are removed. The notebooks of chapters/ and labs/ become pages (conf.py's
+  `include_patterns`); kernels/ is there so that a notebook's link to the course's code
+  (`../kernels/softmax.py`) becomes a download in the book. `solutions/` is never gathered.
+- The directive `notebook-toctree` is a globbing toctree that, while its folder holds no
+  notebook yet, says so instead of warning (and is read again at the next build).
+- The directive `recorded-runs notebooks|results` writes two tables: for each gathered
+  notebook, where its stored outputs were recorded (its metadata `recorded`, written by
+  `python -m kernels record`), and for each file of recorded GPU results under
+  `kernels/data/`, the run that produced it. The page that holds it is read again at every
+  build, so the tables never go stale.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+from docutils import nodes
+from sphinx.directives.other import TocTree
+from sphinx.util.docutils import SphinxDirective
+from sphinx.util.matching import patfilter
+
+GATHERED = ("chapters", "labs", "kernels")
+PAGES = ("chapters", "labs")  # the folders whose notebooks are pages
+SKIPPED = {"__pycache__", ".ipynb_checkpoints"}
+PROVENANCE_DOC = "provenance"  # the page that holds the `recorded-runs` directive
+
+
+def repository_root(srcdir) -> Path:
+    return Path(srcdir).resolve().parent
+
+
+def _files(folder: Path) -> dict:
+    """Relative path -> path of every file under `folder`, leaving out hidden and cache files."""
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.rglob("*"):
+        rel = path.relative_to(folder)
+        if path.is_file() and not any(p in SKIPPED or p.startswith(".") for p in rel.parts):
+            found[rel] = path
+    return found
+
+
+def gather(root: Path, srcdir: Path) -> None:
+    """Mirror root/chapters, root/labs and root/kernels into srcdir."""
+    for name in GATHERED:
+        wanted, target_dir = _files(root / name), srcdir / name
+        target_dir.mkdir(exist_ok=True)
+        for rel, source in wanted.items():
+            target, stat = target_dir / rel, source.stat()
+            if target.exists() and (target.stat().st_mtime_ns, target.stat().st_size) == (
+                stat.st_mtime_ns,
+                stat.st_size,
+            ):
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+        for rel, stale in _files(target_dir).items():
+            if rel not in wanted:
+                stale.unlink()
+
+
+def _cell(value) -> str:
+    return str(value).replace("|", "\\|") if value not in (None, "") else "-"
+
+
+def _run(meta: dict) -> list[str]:
+    """The table cells that say where a run happened: device, versions, date."""
+    versions = f"torch {meta.get('torch')}, triton {meta.get('triton')}"
+    return [_cell(meta.get("device")), _cell(versions), _cell(meta.get("date"))]
+
+
+def _notebook_row(docname: str, path: Path) -> str:
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    meta = nb.get("metadata", {}).get("recorded")
+    if meta:
+        cells = _run(meta)
+    elif any(cell.get("outputs") for cell in nb.get("cells", [])):
+        cells = ["outputs not recorded by `python -m kernels record`", "-", "-"]
+    else:
+        cells = ["no stored outputs", "-", "-"]
+    return "| {doc}`" + docname + "` | " + " | ".join(cells) + " |"
+
+
+def notebook_table(srcdir: Path) -> list[str]:
+    rows = [
+        _notebook_row(f"{name}/{path.stem}", path)
+        for name in PAGES
+        for path in sorted((srcdir / name).glob("*.ipynb"))
+    ]
+    if not rows:
+        return ["No chapter or lab has been written yet."]
+    return ["| page | recorded on | versions | date |", "|---|---|---|---|", *rows]
+
+
+def results_table(data_dir: Path) -> list[str]:
+    rows = []
+    for path in sorted(data_dir.glob("*/*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        keys = _cell(", ".join(sorted(data.get("results", {}))))
+        rel = path.relative_to(data_dir).as_posix()
+        rows.append(f"| `{rel}` | " + " | ".join([*_run(data.get("meta", {})), keys]) + " |")
+    if not rows:
+        return ["No GPU results have been recorded yet."]
+    return ["| file | measured on | versions | date | results |", "|---|---|---|---|---|", *rows]
+
+
+class RecordedRuns(SphinxDirective):
+    """`recorded-runs notebooks` or `recorded-runs results`: a provenance table, as MyST markdown
+    parsed in place."""
+
+    required_arguments = 1
+
+    def run(self):
+        if self.arguments[0] == "notebooks":
+            lines = notebook_table(Path(self.env.srcdir))
+        elif self.arguments[0] == "results":
+            lines = results_table(repository_root(self.env.srcdir) / "kernels" / "data")
+        else:
+            raise self.error(
+                f"recorded-runs takes 'notebooks' or 'results', not {self.arguments[0]!r}"
+            )
+        return self.parse_text_to_nodes("\n".join(lines))
+
+
+class NotebookToctree(TocTree):
+    """`notebook-toctree`: always globbing; a note instead of a warning while nothing matches."""
+
+    def run(self):
+        self.options["glob"] = True
+        patterns = [line.strip() for line in self.content if line.strip()]
+        if any(patfilter(self.env.found_docs, pattern) for pattern in patterns):
+            return super().run()
+        self.env.note_reread()
+        return [nodes.paragraph(text=f"{self.options.get('caption', 'Pages')}: none yet.")]
+
+
+def _gather(app) -> None:
+    gather(repository_root(app.srcdir), Path(app.srcdir))
+
+
+def _reread_provenance(app, env, added, changed, removed):
+    return [PROVENANCE_DOC] if PROVENANCE_DOC in env.found_docs else []
+
+
+def setup(app):
+    app.connect("builder-inited", _gather)
+    app.connect("env-get-outdated", _reread_provenance)
+    app.add_directive("notebook-toctree", NotebookToctree)
+    app.add_directive("recorded-runs", RecordedRuns)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
