@@ -173,13 +173,14 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-# Run in each page after it loads: every image decoded, MathJax done, then what is wrong.
+# Run in each page after it loads: images decoded, MathJax and fonts done, then what is wrong.
 CHECK_PAGE = """async () => {
   const images = Array.from(document.images);
   images.forEach(img => { img.loading = "eager"; });
   await Promise.all(images.map(img => img.decode().catch(() => null)));
   const maths = document.querySelectorAll(".math");
   if (maths.length && window.MathJax && MathJax.startup) await MathJax.startup.promise;
+  await document.fonts.ready;  // MathJax's fonts: nothing left in flight when the page is left
   return {
     brokenImages: images.filter(img => !(img.complete && img.naturalWidth > 0)).map(i => i.src),
     maths: maths.length,

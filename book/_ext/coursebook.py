@@ -6,6 +6,7 @@
   original is gone are removed. The notebooks of chapters/ and labs/ become pages (conf.py's
   `include_patterns`); kernels/ is there so that a notebook's link to the course's code
   (`../kernels/softmax.py`) becomes a download in the book. `solutions/` is never gathered.
+- Each lab's page opens with a note on how to do the lab and grade it.
 - The directive `notebook-toctree` is a globbing toctree that, while its folder holds no
   notebook yet, says so instead of warning (and is read again at the next build).
 - The directive `recorded-runs notebooks|results` writes two tables: for each gathered
@@ -20,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from docutils import nodes
+from sphinx import addnodes
 from sphinx.directives.other import TocTree
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.matching import patfilter
@@ -140,6 +142,39 @@ class NotebookToctree(TocTree):
         return [nodes.paragraph(text=f"{self.options.get('caption', 'Pages')}: none yet.")]
 
 
+def _lab_note(app, doctree) -> None:
+    """At the top of each lab's page: how to work on it and grade it."""
+    docname = app.env.docname
+    if not docname.startswith("labs/"):
+        return
+    path = f"{docname}.ipynb"
+    grading = addnodes.pending_xref(
+        "",
+        refdomain="std",
+        reftype="doc",
+        reftarget="/grading",
+        refdoc=docname,
+        refexplicit=False,
+        refwarn=True,
+    )
+    grading += nodes.inline(text="grading")
+    text = nodes.paragraph()
+    text += [
+        nodes.Text("This page is the lab's statement. To do it, open "),
+        nodes.literal(text=path),
+        nodes.Text(" in JupyterLab ("),
+        nodes.literal(text="make lab"),
+        nodes.Text("), write the graded functions, then run "),
+        nodes.literal(text=f"python -m kernels grade {path}"),
+        nodes.Text(". See "),
+        grading,
+        nodes.Text("."),
+    ]
+    section = next(doctree.findall(nodes.section), None)
+    if section is not None and section.children and isinstance(section[0], nodes.title):
+        section.insert(1, nodes.note("", text))
+
+
 def _gather(app) -> None:
     gather(repository_root(app.srcdir), Path(app.srcdir))
 
@@ -151,6 +186,7 @@ def _reread_provenance(app, env, added, changed, removed):
 def setup(app):
     app.connect("builder-inited", _gather)
     app.connect("env-get-outdated", _reread_provenance)
+    app.connect("doctree-read", _lab_note)
     app.add_directive("notebook-toctree", NotebookToctree)
     app.add_directive("recorded-runs", RecordedRuns)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
