@@ -1,11 +1,11 @@
 """The course's Sphinx extension: gathers the notebooks and tables where their numbers came from.
 
-- At `builder-inited`, the files under `chapters/`, `labs/` and `kernels/` at the repository
-  root are copied into the book's source folder (`book/chapters/` etc., git-ignored), keeping
-  their modification times so that an unchanged notebook is not read again; copies whose
-  original is gone are removed. The notebooks of chapters/ and labs/ become pages (conf.py's
-  `include_patterns`); kernels/ is there so that a notebook's link to the course's code
-  (`../kernels/softmax.py`) becomes a download in the book. `solutions/` is never gathered.
+- At `builder-inited`, `chapters/`, `labs/` and `kernels/` at the repository root are copied
+  afresh into the book's source folder (`book/chapters/` etc., git-ignored), keeping their
+  modification times so that an unchanged notebook need not be read again. The notebooks of
+  chapters/ and labs/ become pages (conf.py's `include_patterns`); kernels/ is there so that
+  a notebook's link to the course's code (`../kernels/softmax.py`) becomes a download in the
+  book. `solutions/` is never gathered.
 - Each lab's page opens with a note on how to do the lab and grade it.
 - The directive `notebook-toctree` is a globbing toctree that, while its folder holds no
   notebook yet, says so instead of warning (and is read again at the next build).
@@ -28,7 +28,7 @@ from sphinx.util.matching import patfilter
 
 GATHERED = ("chapters", "labs", "kernels")
 PAGES = ("chapters", "labs")  # the folders whose notebooks are pages
-SKIPPED = {"__pycache__", ".ipynb_checkpoints"}
+SKIPPED = ("__pycache__", ".*")  # .ipynb_checkpoints and other hidden files
 PROVENANCE_DOC = "provenance"  # the page that holds the `recorded-runs` directive
 
 
@@ -36,35 +36,15 @@ def repository_root(srcdir) -> Path:
     return Path(srcdir).resolve().parent
 
 
-def _files(folder: Path) -> dict:
-    """Relative path -> path of every file under `folder`, leaving out hidden and cache files."""
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for path in folder.rglob("*"):
-        rel = path.relative_to(folder)
-        if path.is_file() and not any(p in SKIPPED or p.startswith(".") for p in rel.parts):
-            found[rel] = path
-    return found
-
-
 def gather(root: Path, srcdir: Path) -> None:
-    """Mirror root/chapters, root/labs and root/kernels into srcdir."""
+    """Replace srcdir/chapters, srcdir/labs and srcdir/kernels with copies of the originals."""
     for name in GATHERED:
-        wanted, target_dir = _files(root / name), srcdir / name
-        target_dir.mkdir(exist_ok=True)
-        for rel, source in wanted.items():
-            target, stat = target_dir / rel, source.stat()
-            if target.exists() and (target.stat().st_mtime_ns, target.stat().st_size) == (
-                stat.st_mtime_ns,
-                stat.st_size,
-            ):
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-        for rel, stale in _files(target_dir).items():
-            if rel not in wanted:
-                stale.unlink()
+        target = srcdir / name
+        shutil.rmtree(target, ignore_errors=True)
+        if (root / name).is_dir():
+            shutil.copytree(root / name, target, ignore=shutil.ignore_patterns(*SKIPPED))
+        else:
+            target.mkdir()
 
 
 def _cell(value) -> str:
