@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 lint: setup
-	$(PY) -m ruff check kernels tests chapters solutions
-	$(PY) -m ruff format --check kernels tests
+	$(PY) -m ruff check kernels tests chapters solutions book/conf.py book/_ext
+	$(PY) -m ruff format --check kernels tests book/conf.py book/_ext
 
 # The whole suite in CPU mode: kernels, grader, notebooks under nbval, book.
 test: setup lint
@@ -35,6 +35,11 @@ test: setup lint
 
 lab: setup
 	$(VENV)/bin/jupyter lab chapters labs
+
+# The HTML book from the stored outputs (never executes a notebook): book/_build/html/index.html
+book: setup
+	$(PY) -m sphinx -W --keep-going -E -q -b html -d book/_build/doctrees book book/_build/html
+	@echo "open book/_build/html/index.html"
 
 # Execute notebooks and store their outputs with the record of the run (device, versions).
 record: setup
