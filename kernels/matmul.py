@@ -80,6 +80,7 @@ CONFIGS = [
     tile_config(128, 256, 64, num_warps=8, num_stages=4),
     tile_config(128, 128, 64, num_warps=8, num_stages=4),
     tile_config(128, 128, 32, num_warps=8, num_stages=3),
+    tile_config(64, 128, 32, num_warps=4, num_stages=4),
 ]
 # The interpreter runs programs one after another in Python: one small config, no tuning.
 INTERPRETER_CONFIG = tile_config(32, 32, 32, num_warps=4, num_stages=1)
