@@ -148,7 +148,8 @@ def test_bad_inputs_get_clear_errors(op):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_long_rows_on_gpu(op):
-    x, params, dy = _inputs((3, 40000), torch.bfloat16, OPS[op][2], seed=13)
+    # 20000 columns: a 32768-wide block, past what the registers hold (the backward spills)
+    x, params, dy = _inputs((3, 20000), torch.bfloat16, OPS[op][2], seed=13)
     _check_against_fp64(op, x, params, dy)
 
 
