@@ -35,6 +35,10 @@ test: setup lint
 lab: setup
 	$(VENV)/bin/jupyter lab chapters labs
 
+# Regenerate the starter notebooks in labs/ from solutions/, the single source of each lab.
+labs: setup
+	$(PY) -m kernels labs
+
 # Execute notebooks and store their outputs with the record of the run (device, versions).
 record: setup
 	$(PY) -m kernels record chapters/*.ipynb solutions/*.ipynb
