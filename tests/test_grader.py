@@ -17,7 +17,7 @@ from kernels.runtime import ON_GPU
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_regimes.ipynb"
-TIME_LIMIT = "10"
+TIME_LIMIT = "30" if ON_GPU else "10"  # the GPU pays for CUDA start-up and compiling first
 
 LAUNCH = "repeat_fma_kernel[grid](x, out, n, REPEAT=repeat, BLOCK_SIZE=BLOCK_SIZE)"
 STORE = "tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)"
@@ -126,7 +126,7 @@ EXPECTED = {
     "modifies_input": ["modified its input 1", "shape (1,)"],
     "cached": ["a result cached across calls", "shape (4097,)"],
     "crash": ["crashed (signal SIGSEGV", "cell 11, line", "tl.load"],
-    "hang": ["did not finish within 10 s", "shape (1,)"],
+    "hang": [f"did not finish within {TIME_LIMIT} s", "shape (1,)"],
     "exit": ["called exit()", "cell 11, line", "an exit is not a pass"],
     "exception": ["ValueError: boom", "cell 11, line", "raise ValueError('boom')", "shape (1,)"],
     "flood": ["printed more than 1 MB"],
@@ -164,7 +164,7 @@ def test_the_table_shows_one_line_per_failure(kernel_batch):
         ("tamper", ["changes torch.allclose", "may not modify torch"]),
         ("imports_os", ["imports os", "may import only"]),
         ("private_api", ["uses the private attribute", "public APIs"]),
-        ("load_hang", ["did not finish within 10 s", "while loading your graded cells"]),
+        ("load_hang", [f"did not finish within {TIME_LIMIT} s", "while loading your graded cells"]),
     ],
 )
 def test_a_broken_load_fails_every_task(load_batch, name, fragments):

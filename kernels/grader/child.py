@@ -192,6 +192,25 @@ def _load(module_path: str):
     return module
 
 
+def _watchdog(hard_limit_s: float, grader_pid: int | None) -> None:
+    """End this process when the grader is gone (killed, interrupted) or far past its limit,
+    whatever the learner's code is doing: no orphan outlives the grader."""
+    import signal
+    import threading
+    import time
+
+    if hasattr(signal, "alarm"):
+        signal.alarm(max(1, int(hard_limit_s)))  # SIGALRM's default action ends the process
+    parent = grader_pid or os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(jobdir: Path) -> None:
     with contextlib.suppress(ImportError, ValueError, OSError):
         import resource
@@ -199,6 +218,7 @@ def main(jobdir: Path) -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash leaves no core file
     faulthandler.enable()  # a crash prints the Python stack: the grader finds the line in it
     job = json.loads((jobdir / "job.json").read_text())
+    _watchdog(job.get("hard_limit_s", 3600), job.get("grader_pid"))
     progress = os.open(jobdir / "progress", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     mark = lambda text: os.write(progress, (text + "\n").encode())
 

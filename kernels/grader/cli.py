@@ -34,9 +34,13 @@ def grade_command(args) -> int:
 
     if not _known_tasks(args.task):
         return 2
-    reports, errors, seed = grade.grade(
-        args.paths, only=args.task, seed=args.seed, time_limit=args.time_limit, jobs=args.jobs
-    )
+    try:
+        reports, errors, seed = grade.grade(
+            args.paths, only=args.task, seed=args.seed, time_limit=args.time_limit, jobs=args.jobs
+        )
+    except KeyboardInterrupt:
+        print("interrupted: nothing graded")
+        return 130
     print(f"Inputs drawn with seed {seed} (--seed {seed} draws the same ones again).\n")
     for r in reports:
         print(report.table(r) + "\n")

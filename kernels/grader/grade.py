@@ -71,9 +71,16 @@ def _run_task(notebook, task, workdir, seed, time_limit, command):
     module.write_text(notebook.submission.source)
     cases = task.cases(random.Random(f"{seed}:{task.name}"))
     torch.save([case.for_child() for case in cases], jobdir / "inputs.pt")
-    job = {"module": str(module), "function": task.function, "poison": task.poison}
+    limit = time_limit or task.time_limit
+    job = {
+        "module": str(module),
+        "function": task.function,
+        "poison": task.poison,
+        "hard_limit_s": runner.STARTUP_LIMIT_S + limit + 30,  # the child's own last resort
+        "grader_pid": os.getpid(),
+    }
     (jobdir / "job.json").write_text(json.dumps(job))
-    run = runner.run_child(command(jobdir), jobdir, time_limit or task.time_limit)
+    run = runner.run_child(command(jobdir), jobdir, limit)
     outcome = evaluate(task, cases, run, notebook.submission.where)
     error = (run.result or {}).get("error") or {}
     while_loading = run.failure and run.phase in ("", "start") or error.get("phase") == "load"
@@ -136,7 +143,12 @@ def grade(paths, only=None, seed=None, time_limit=None, jobs=None,
                     (alone if task.exclusive else shared).append(work)
         workers = jobs or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(lambda work: _safely(_run_task, *work), shared))
+            try:
+                list(pool.map(lambda work: _safely(_run_task, *work), shared))
+            except KeyboardInterrupt:  # Ctrl-C: stop the children, not only the threads
+                pool.shutdown(wait=False, cancel_futures=True)
+                runner.kill_all()
+                raise
         for work in alone:
             _safely(_run_task, *work)
     return [report(nb) for nb in notebooks], errors, seed

@@ -74,9 +74,19 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
+_ACTIVE, _ACTIVE_LOCK = set(), threading.Lock()
+
+
 def _kill_group(proc):
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def kill_all():
+    """Stop every child still running (the grader was interrupted)."""
+    with _ACTIVE_LOCK:
+        for proc in _ACTIVE:
+            _kill_group(proc)
 
 
 def _environment() -> dict:
@@ -105,6 +115,8 @@ def run_child(
         start_new_session=True,
         env=_environment(),
     )
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(proc)
     capture = _Capture(proc.stdout, output_cap)
     capture.start()
     begun, started, why = time.monotonic(), None, None
@@ -126,6 +138,8 @@ def run_child(
         time.sleep(0.05)
     _kill_group(proc)  # also ends anything the learner's code left running
     proc.wait()
+    with _ACTIVE_LOCK:
+        _ACTIVE.discard(proc)
     capture.join(timeout=5)
     proc.stdout.close()
     output = capture.text()

@@ -20,11 +20,11 @@ from kernels.runtime import DEVICE
 # Torch calls a launcher needs to check, allocate and launch, and nothing that computes.
 LAUNCHER_OPS = frozenset(
     {
-        "__format__", "__len__", "__repr__", "__str__", "contiguous", "data_ptr", "device",
-        "dim", "dtype", "element_size", "empty", "empty_like", "empty_strided", "fill_",
-        "flatten", "is_contiguous", "is_cuda", "is_floating_point", "ndim", "ndimension",
-        "new_empty", "new_zeros", "numel", "reshape", "shape", "size", "storage_offset",
-        "stride", "view", "view_as", "zeros", "zeros_like",
+        "__format__", "__len__", "__repr__", "__str__", "contiguous", "data_ptr", "detach",
+        "device", "dim", "dtype", "element_size", "empty", "empty_like", "empty_strided",
+        "fill_", "flatten", "is_contiguous", "is_cpu", "is_cuda", "is_floating_point", "layout",
+        "ndim", "ndimension", "new_empty", "new_zeros", "numel", "requires_grad", "reshape",
+        "shape", "size", "storage_offset", "stride", "view", "view_as", "zeros", "zeros_like",
     }
 )  # fmt: skip
 
