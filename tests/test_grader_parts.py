@@ -134,11 +134,23 @@ def test_a_kernel_body_may_use_only_triton(tmp_path, body, message):
         ("x = torch.os", "reaches os"),
         ("x = __builtins__", "uses __builtins__"),
         ("x = torch.tensor(1).__class__", "private attribute __class__"),
+        ("a, torch.nn.functional.gelu = 1, print", "changes torch.nn.functional.gelu"),
     ],
 )
 def test_tampering_is_refused(tmp_path, line, message):
     found = analyse(HEADER + "import kernels\n" + line, tmp_path)
     assert any(message in p for p in found.problems), found.problems
+
+
+def test_ordinary_code_is_not_mistaken_for_tampering(tmp_path):
+    found = analyse(
+        "from __future__ import annotations\n"
+        + HEADER
+        + "x = torch.zeros(4)\nx[torch.arange(2)] = 1.0\nx += torch.ones(4)\n"
+        + "y, z = x.shape[0], math.pi\nif __name__ == '__main__':\n    print(y)\n",
+        tmp_path,
+    )
+    assert found.problems == []
 
 
 def test_stubs_and_their_hints_are_found(tmp_path):

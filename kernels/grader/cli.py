@@ -88,6 +88,8 @@ def labs_command(args) -> int:
     if args.check:
         for path in changed:
             print(f"{path} is out of date: run `python -m kernels labs`")
+        if not changed:
+            print("labs/ is up to date")
         return 1 if changed else 0
     for path in changed:
         print(f"wrote {path}")

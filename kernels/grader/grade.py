@@ -47,8 +47,9 @@ def precheck(task, notebook) -> Outcome | None:
             "keep the starter's function names, in cells tagged graded",
         )
     if task.function in found.stubs:
+        which = f" ({task.function})" if task.function != task.name else ""
         hint = found.stubs[task.function]
-        return failed(f"not implemented yet: {task.function}" + (f": {hint}" if hint else ""))
+        return failed(f"not implemented yet{which}" + (f": {hint}" if hint else ""))
     if task.kernel and found.kernel_problems:
         return failed(found.kernel_problems[0])
     used = sorted(name for name in task.forbidden_names if name in found.identifiers)

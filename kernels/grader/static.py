@@ -130,6 +130,8 @@ def _imports(tree, sub, out):
         for full, alias, target in pairs:
             parts = full.split(".")
             out.identifiers.setdefault(parts[-1], node.lineno)
+            if parts[0] == "__future__":
+                continue
             if parts[0] not in ALLOWED_IMPORTS or full.startswith("kernels.grader"):
                 out.problems.append(
                     f"imports {full.removesuffix('.*')} at {sub.where(node.lineno)}: graded "
@@ -179,16 +181,24 @@ def _scan(tree, sub, aliases, out):
                 )
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
-            for target in targets:
-                for leaf in ast.walk(target):
-                    if isinstance(leaf, (ast.Attribute, ast.Subscript)):
-                        root = _root_name(leaf)
-                        if root in aliases:
-                            out.problems.append(
-                                f"changes {ast.unparse(leaf)} at {sub.where(line)}: graded code "
-                                "may not modify torch, triton or kernels"
-                            )
-                            break
+            for target in _flatten(targets):
+                if isinstance(target, (ast.Attribute, ast.Subscript)):
+                    if _root_name(target) in aliases:
+                        out.problems.append(
+                            f"changes {ast.unparse(target)} at {sub.where(line)}: graded code "
+                            "may not modify torch, triton or kernels"
+                        )
+
+
+def _flatten(targets):
+    """The places an assignment writes: `a, (b.c, *d) = ...` gives a, b.c and d."""
+    for target in targets:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            yield from _flatten(target.elts)
+        elif isinstance(target, ast.Starred):
+            yield from _flatten([target.value])
+        else:
+            yield target
 
 
 def _is_jit(fn, aliases):
