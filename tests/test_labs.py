@@ -155,17 +155,18 @@ def test_progress_shows_every_lab_and_what_remains(tmp_path):
 
 
 def test_the_labs_command_writes_and_checks_the_starters(tmp_path):
-    (tmp_path / "solutions").mkdir()
+    solutions, labs = tmp_path / "solutions", tmp_path / "labs"
+    solutions.mkdir()
     for solution in SOLUTIONS:
-        (tmp_path / "solutions" / solution.name).write_bytes(solution.read_bytes())
-    assert kernels_cli("labs", "--check", cwd=tmp_path).returncode == 1  # no labs/ yet
+        (solutions / solution.name).write_bytes(solution.read_bytes())
     out = kernels_cli("labs", cwd=tmp_path)
-    assert out.returncode == 0 and "wrote labs/" in out.stdout
-    assert kernels_cli("labs", "--check", cwd=tmp_path).returncode == 0
-    lab = tmp_path / "labs" / SOLUTIONS[0].name
+    assert out.returncode == 0 and "wrote labs/" in out.stdout, out.stdout + out.stderr
+    assert starters.generate(solutions, labs, check_only=True) == []
+    lab = labs / SOLUTIONS[0].name
     lab.write_text(lab.read_text().replace("NotImplementedError", "ValueError", 1))
-    out = kernels_cli("labs", "--check", cwd=tmp_path)
-    assert out.returncode == 1 and "out of date" in out.stdout
+    assert starters.generate(solutions, labs, check_only=True) == [lab]
+    assert starters.generate(solutions, labs) == [lab]
+    assert starters.generate(solutions, labs, check_only=True) == []
 
 
 def test_a_missing_file_is_exit_status_2(tmp_path):
