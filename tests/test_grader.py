@@ -47,6 +47,11 @@ KERNEL_CASES = {
     "exception": ("repeat_fma", [(GRID, GRID + "\n        raise ValueError('boom')")]),
     "flood": ("repeat_fma", [(GRID, "while True:\n            print('spam ' * 200)")]),
     "kernel_stub": ("repeat_fma", [(LOAD, "raise NotImplementedError('write the kernel')")]),
+    "other_tensor": (
+        "repeat_fma",
+        [(END, "    return torch.empty_like(out)\n    ### END SOLUTION")],
+    ),
+    "wrong_values": ("repeat_fma", [("y = y * 0.99 + 0.01", "y = y * 0.98 + 0.01")]),
 }
 LOAD_CASES = {
     "syntax_error": ("op_cost", [('if op == "add":', 'if op == "add"')]),
@@ -90,8 +95,9 @@ def batch(tmp_path_factory, cases, *options):
     folder = tmp_path_factory.mktemp("submissions")
     paths = {name: make_submission(folder, name, *spec) for name, spec in cases.items()}
     target = folder / "grades.json"
-    out = grade(paths.values(), "--json", str(target), "--time-limit", TIME_LIMIT, "--jobs", "3",
-                *options)  # fmt: skip
+    out = grade(
+        paths.values(), "--json", str(target), "--time-limit", TIME_LIMIT, "--jobs", "3", *options
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     reports = {Path(r["path"]).name.split("_lab01")[0]: r for r in json.loads(target.read_text())}
     assert set(reports) == set(cases)
@@ -131,6 +137,8 @@ EXPECTED = {
     "exception": ["ValueError: boom", "cell 11, line", "raise ValueError('boom')", "shape (1,)"],
     "flood": ["printed more than 1 MB"],
     "kernel_stub": ["not implemented yet", "write the kernel", "cell 11, line"],
+    "other_tensor": ["returned a tensor that was not given to any kernel launch"],
+    "wrong_values": ["wrong values: max abs error", "shape (1,), float32", "seed", "Hint:"],
 }
 
 

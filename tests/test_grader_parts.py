@@ -236,8 +236,14 @@ def _matmul_task(**flags) -> Task:
 
 def test_calling_the_op_the_task_asks_for_earns_nothing():
     case = Case((torch.ones(2, 2), torch.ones(2, 2)), "shape (2, 2)", expected=torch.ones(2, 2))
-    report = {"output": torch.ones(2, 2), "inputs_after": list(case.args), "launches": 1,
-              "ops": ["empty", "matmul"], "from_kernel": True, "device": "cpu"}  # fmt: skip
+    report = {
+        "output": torch.ones(2, 2),
+        "inputs_after": list(case.args),
+        "launches": 1,
+        "ops": ["empty", "matmul"],
+        "from_kernel": True,
+        "device": "cpu",
+    }
     outcome = evaluate(_matmul_task(forbidden_ops=frozenset({"matmul"})), [case], _run(report), str)
     assert outcome.status == "failed" and outcome.points == 0
     assert "called torch's matmul, the op this task asks you to write" in outcome.message

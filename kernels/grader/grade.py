@@ -83,8 +83,9 @@ def _run_task(notebook, task, workdir, seed, time_limit, command):
     (jobdir / "job.json").write_text(json.dumps(job))
     run = runner.run_child(command(jobdir), jobdir, limit)
     outcome = evaluate(task, cases, run, notebook.submission.where)
-    error = (run.result or {}).get("error") or {}
-    while_loading = run.failure and run.phase in ("", "start") or error.get("phase") == "load"
+    error = run.result.get("error") if isinstance(run.result, dict) else None
+    loading_error = isinstance(error, dict) and error.get("phase") == "load"
+    while_loading = loading_error or (run.failure and run.phase in ("", "start"))
     with notebook.lock:
         notebook.outcomes[task.name] = outcome
         if while_loading and outcome.status == "failed":
@@ -115,12 +116,16 @@ def report(notebook) -> dict:
         if outcome.status != "needs_gpu":
             score, max_score = score + outcome.points, max_score + task.points
     sub = notebook.submission
-    return {"path": str(sub.path), "lab": sub.lab, "score": score, "max_score": max_score,
-            "tasks": tasks}  # fmt: skip
+    return {
+        "path": str(sub.path),
+        "lab": sub.lab,
+        "score": score,
+        "max_score": max_score,
+        "tasks": tasks,
+    }
 
 
-def grade(paths, only=None, seed=None, time_limit=None, jobs=None,
-          command=runner.child_command):  # fmt: skip
+def grade(paths, only=None, seed=None, time_limit=None, jobs=None, command=runner.child_command):
     """Grade notebooks: (one report per notebook, paths that could not be graded, seed)."""
     seed = secrets.randbelow(2**31) if seed is None else seed
     notebooks, errors = [], []

@@ -10,6 +10,7 @@ written; and finally are the values right (`Task.check`, through `kernels.check`
 """
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -180,44 +181,45 @@ def _case_problem(task: Task, cases, reports, outputs, i) -> tuple | None:
     return (problem, task.hint) if problem else None
 
 
+def _context(phase, cases) -> str:
+    """Where a child stopped, from its last progress line: loading, or which case."""
+    if phase in ("", "start", "load"):
+        return "while loading your graded cells"
+    match = re.fullmatch(r"case (\d+)", str(phase))
+    if match and int(match.group(1)) < len(cases):
+        return f"[{cases[int(match.group(1))].label}]"
+    return "after the last case"
+
+
 def error_message(error: dict, cases, where) -> str:
     """One line for an exception the child caught, pointing at the learner's own line."""
-    phase = error.get("phase", "")
-    if phase == "load":
-        context = " while loading your graded cells"
-    elif phase.startswith("case "):
-        context = f" [{cases[int(phase.split()[1])].label}]"
-    else:
-        context = ""
-    line = f" at {where(error['line'])}" if error.get("line") else ""
-    if error["kind"] == "not_implemented":
-        detail = f": {error['message']}" if error["message"] else ""
+    context = _context(error.get("phase", ""), cases)
+    line = error.get("line")
+    line = f" at {where(line)}" if isinstance(line, int) else ""
+    kind, kind_name = error.get("kind"), error.get("type", "an exception")
+    message = str(error.get("message", ""))
+    if kind == "not_implemented":
+        detail = f": {message}" if message else ""
         return f"not implemented yet{detail}{line}"
-    if error["kind"] == "exit":
-        return f"your code called exit() ({error['type']}){line}{context}: an exit is not a pass"
-    message = f"{error['type']}: {error['message']}{line}{context}"
-    if "illegal memory access" in error["message"]:
-        message += ". Hint: an out-of-bounds load or store; check your masks"
-    return message
+    if kind == "exit":
+        return f"your code called exit() ({kind_name}){line} {context}: an exit is not a pass"
+    text = f"{kind_name}: {message}{line} {context}"
+    if "illegal memory access" in message:
+        text += ". Hint: an out-of-bounds load or store; check your masks"
+    return text
 
 
 def evaluate(task: Task, cases, run, where) -> Outcome:
     """The verdict on one task from the child's run; `where(line)` names a learner's line."""
     if run.failure:
-        phase = run.phase
-        if phase in ("", "start"):
-            context = "while loading your graded cells"
-        elif phase.startswith("case "):
-            context = f"[{cases[int(phase.split()[1])].label}]"
-        else:
-            context = "after the last case"
         line = f" at {where(run.crash_line)}" if run.crash_line else ""
-        return failed(f"{run.failure}{line} {context}")
+        return failed(f"{run.failure}{line} {_context(run.phase, cases)}")
     result = run.result
     if not isinstance(result, dict) or not isinstance(result.get("cases"), list):
         return failed("returned no result")
     if result.get("error"):
-        return failed(error_message(result["error"], cases, where))
+        error = result["error"]
+        return failed(error_message(error, cases, where) if isinstance(error, dict) else "failed")
     reports = result["cases"]
     if len(reports) != len(cases) or not all(isinstance(r, dict) for r in reports):
         return failed(f"returned results for {len(reports)} of {len(cases)} cases")
