@@ -76,7 +76,7 @@ def test_a_clean_kernel_passes_the_static_checks(tmp_path):
         SCALE = tl.constexpr(2.0)
 
         @triton.jit
-        def helper(x):
+        def scaled(x):
             return x * SCALE
 
         @triton.jit
@@ -84,13 +84,13 @@ def test_a_clean_kernel_passes_the_static_checks(tmp_path):
             offsets = tl.arange(0, BLOCK)
             y = tl.load(x_ptr + offsets, mask=offsets < n)
             for _ in range(3):
-                y = helper(y) + math.pi
+                y = scaled(y) + math.pi
             tl.store(x_ptr + offsets, y, mask=offsets < n)
         """),
         tmp_path,
     )
     assert found.problems == [] and found.kernel_problems == []
-    assert {"kernel", "helper", "SCALE"} <= found.defined
+    assert {"kernel", "scaled", "SCALE"} <= found.defined
 
 
 @pytest.mark.parametrize(
