@@ -41,6 +41,10 @@ book: setup
 	$(PY) -m sphinx -W --keep-going -E -q -b html -d book/_build/doctrees book book/_build/html
 	@echo "open book/_build/html/index.html"
 
+# Regenerate the starter notebooks in labs/ from solutions/, the single source of each lab.
+labs: setup
+	$(PY) -m kernels labs
+
 # Execute notebooks and store their outputs with the record of the run (device, versions).
 record: setup
 	$(PY) -m kernels record $(NOTEBOOKS)

@@ -1,4 +1,4 @@
-"""The course's command line: `python -m kernels {doctor,bench,record} ...`."""
+"""The course's command line: `python -m kernels COMMAND ...`; `--help` lists the commands."""
 
 import argparse
 import datetime
@@ -74,6 +74,8 @@ def record_command(args) -> int:
 
 
 def main(argv=None) -> int:
+    from kernels.grader import cli as grader
+
     parser = argparse.ArgumentParser(prog="python -m kernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="mode, device, versions, and a one-line verdict")
@@ -82,8 +84,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p = sub.add_parser("record", help="execute notebooks and record their outputs and metadata")
     p.add_argument("paths", nargs="+")
+    grader.add_commands(sub)
     args = parser.parse_args(argv)
     handlers = {"doctor": doctor, "bench": bench_command, "record": record_command}
+    handlers.update(grader.HANDLERS)
     return handlers[args.command](args)
 
 

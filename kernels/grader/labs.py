@@ -1,0 +1,5 @@
+"""The course's labs: each lab's name (its notebook's stem) and its graded tasks."""
+
+from kernels.grader import lab01
+
+LABS = {lab01.NAME: lab01.TASKS}

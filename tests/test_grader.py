@@ -1,0 +1,201 @@
+"""The grader against bad submissions: each defence catches its own case with its own message.
+
+Every bad submission is Lab 1's solution with one graded cell changed. They are graded in a
+few batches (one `python -m kernels grade` per batch, many notebooks at once), with a short
+time limit, so the file stays within a couple of minutes on two cores.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kernels.runtime import ON_GPU
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "lab01_regimes.ipynb"
+TIME_LIMIT = "30" if ON_GPU else "10"  # the GPU pays for CUDA start-up and compiling first
+
+LAUNCH = "repeat_fma_kernel[grid](x, out, n, REPEAT=repeat, BLOCK_SIZE=BLOCK_SIZE)"
+STORE = "tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)"
+LOAD = "y = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)"
+GRID = "grid = (triton.cdiv(n, BLOCK_SIZE),)"
+END = "    return out\n    ### END SOLUTION"
+IMPORTS = "import math"
+DOC_END = '"""\n    ### BEGIN SOLUTION'
+TORCH_MATH = "out.copy_((x.float() * 0.99 + 0.01).to(x.dtype))\n        "
+NO_KERNEL = END + "\n\n\ndef repeat_fma(x, repeat):\n    return x.clone()"
+STORE_TO_X = STORE + "\n    " + STORE.replace("out_ptr +", "x_ptr +")
+CACHE = ("BLOCK_SIZE = 1024", "BLOCK_SIZE = 1024\nseen = {}")
+PREDICTED = DOC_END.replace("\n", "\n    from kernels.bench import predicted_ms\n", 1)
+CACHED_RETURN = "    return seen.setdefault((x.shape, x.dtype, repeat), out)\n    ### END SOLUTION"
+
+# name -> (the graded cell to change: a function's name or "import", [(old, new), ...])
+KERNEL_CASES = {
+    "torch_in_launcher": ("repeat_fma", [(LAUNCH, TORCH_MATH + LAUNCH)]),
+    "no_kernel": ("repeat_fma", [(END, NO_KERNEL)]),
+    "torch_in_kernel": ("repeat_fma", [(LOAD, LOAD + "\n    y = torch.clamp(y, -1e4, 1e4)")]),
+    "unwritten": ("repeat_fma", [(GRID, "grid = (n // BLOCK_SIZE,)")]),
+    "modifies_input": ("repeat_fma", [(STORE, STORE_TO_X)]),
+    "cached": ("repeat_fma", [CACHE, (END, CACHED_RETURN)]),
+    "crash": ("repeat_fma", [(LOAD, "y = tl.load(x_ptr + offsets * 100000000 + 100000000000)")]),
+    "hang": ("repeat_fma", [(GRID, "while True:\n            pass")]),
+    "exit": ("repeat_fma", [(GRID, "exit(0)")]),
+    "exception": ("repeat_fma", [(GRID, GRID + "\n        raise ValueError('boom')")]),
+    "flood": ("repeat_fma", [(GRID, "while True:\n            print('spam ' * 200)")]),
+    "kernel_stub": ("repeat_fma", [(LOAD, "raise NotImplementedError('write the kernel')")]),
+    "other_tensor": (
+        "repeat_fma",
+        [(END, "    return torch.empty_like(out)\n    ### END SOLUTION")],
+    ),
+    "wrong_values": ("repeat_fma", [("y = y * 0.99 + 0.01", "y = y * 0.98 + 0.01")]),
+}
+LOAD_CASES = {
+    "syntax_error": ("op_cost", [('if op == "add":', 'if op == "add"')]),
+    "tamper": ("import", [(IMPORTS, IMPORTS + "\ntorch.allclose = lambda *args, **kwargs: True")]),
+    "imports_os": ("import", [(IMPORTS, IMPORTS + "\nimport os")]),
+    "private_api": ("import", [(IMPORTS, IMPORTS + "\ntorch._C._set_grad_enabled(True)")]),
+    "load_hang": ("import", [(IMPORTS, IMPORTS + "\nwhile True:\n    pass")]),
+}
+VALUE_CASES = {
+    "wrong_formula": ("op_cost", [('3 * sizes["n"]', '2 * sizes["n"]')]),
+    "calls_predicted_ms": ("roofline_ms", [(DOC_END, PREDICTED)]),
+}  # fmt: skip
+
+
+def make_submission(folder: Path, name: str, cell: str, edits) -> Path:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    marker = "import math" if cell == "import" else f"def {cell}("
+    (target,) = [
+        c for c in nb.cells if "graded" in c.metadata.get("tags", []) and marker in c.source
+    ]
+    for old, new in edits:
+        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
+        target.source = target.source.replace(old, new, 1)
+    path = folder / f"{name}_lab01_regimes.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def grade(paths, *options):
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels", "grade", *map(str, paths), *options],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    return out
+
+
+def batch(tmp_path_factory, cases, *options):
+    folder = tmp_path_factory.mktemp("submissions")
+    paths = {name: make_submission(folder, name, *spec) for name, spec in cases.items()}
+    target = folder / "grades.json"
+    out = grade(
+        paths.values(), "--json", str(target), "--time-limit", TIME_LIMIT, "--jobs", "3", *options
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    reports = {Path(r["path"]).name.split("_lab01")[0]: r for r in json.loads(target.read_text())}
+    assert set(reports) == set(cases)
+    return reports, out.stdout
+
+
+@pytest.fixture(scope="module")
+def kernel_batch(tmp_path_factory):
+    return batch(tmp_path_factory, KERNEL_CASES, "--task", "repeat_fma")
+
+
+@pytest.fixture(scope="module")
+def load_batch(tmp_path_factory):
+    return batch(tmp_path_factory, LOAD_CASES)
+
+
+@pytest.fixture(scope="module")
+def value_batch(tmp_path_factory):
+    return batch(tmp_path_factory, VALUE_CASES, "--task", "op_cost", "--task", "roofline_ms")
+
+
+def task(reports, submission, name="repeat_fma"):
+    (found,) = [t for t in reports[submission]["tasks"] if t["name"] == name]
+    return found
+
+
+EXPECTED = {
+    "torch_in_launcher": ["computed with torch outside a kernel", "mul", "Hint:"],
+    "no_kernel": ["launched no Triton kernel"],
+    "torch_in_kernel": ["kernel repeat_fma_kernel uses torch", "cell 11, line"],
+    "unwritten": ["never written", "NaN", "shape (1,)", "seed"],
+    "modifies_input": ["modified its input 1", "shape (1,)"],
+    "cached": ["a result cached across calls", "shape (4097,)"],
+    "crash": ["crashed (signal SIGSEGV", "cell 11, line", "tl.load"],
+    "hang": [f"did not finish within {TIME_LIMIT} s", "shape (1,)"],
+    "exit": ["called exit()", "cell 11, line", "an exit is not a pass"],
+    "exception": ["ValueError: boom", "cell 11, line", "raise ValueError('boom')", "shape (1,)"],
+    "flood": ["printed more than 1 MB"],
+    "kernel_stub": ["not implemented yet", "write the kernel", "cell 11, line"],
+    "other_tensor": ["returned a tensor that was not given to any kernel launch"],
+    "wrong_values": ["wrong values: max abs error", "shape (1,), float32", "seed", "Hint:"],
+}
+
+
+# Compiled Triton reports these differently: an illegal address is a CUDA error, and a kernel
+# that raises does not compile.
+EXPECTED_ON_GPU = {"crash": ["illegal memory access", "check your masks"], "kernel_stub": []}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_CASES))
+def test_each_kernel_defence_fails_the_task_with_its_own_message(kernel_batch, name):
+    reports, _ = kernel_batch
+    found = task(reports, name)
+    assert found["status"] == "failed" and found["points"] == 0, found
+    expected = EXPECTED_ON_GPU.get(name, EXPECTED[name]) if ON_GPU else EXPECTED[name]
+    for fragment in expected:
+        assert fragment in found["message"], (fragment, found["message"])
+    assert reports[name]["score"] == 0 and reports[name]["max_score"] == 4
+    assert "grader error" not in found["message"]
+
+
+def test_the_table_shows_one_line_per_failure(kernel_batch):
+    _, stdout = kernel_batch
+    assert stdout.count("repeat_fma  ") >= len(KERNEL_CASES)
+    assert stdout.count("score 0/4") == len(KERNEL_CASES)
+
+
+@pytest.mark.parametrize(
+    "name, fragments",
+    [
+        ("syntax_error", ["syntax error at cell 4, line"]),
+        ("tamper", ["changes torch.allclose", "may not modify torch"]),
+        ("imports_os", ["imports os", "may import only"]),
+        ("private_api", ["uses the private attribute", "public APIs"]),
+        ("load_hang", [f"did not finish within {TIME_LIMIT} s", "while loading your graded cells"]),
+    ],
+)
+def test_a_broken_load_fails_every_task(load_batch, name, fragments):
+    reports, _ = load_batch
+    report = reports[name]
+    ran = [t for t in report["tasks"] if t["status"] != "needs_gpu"]
+    assert len(ran) == 4 and report["score"] == 0 and report["max_score"] == 10
+    for found in ran:
+        assert found["status"] == "failed", found
+        for fragment in fragments:
+            assert fragment in found["message"], (fragment, found["message"])
+
+
+def test_a_wrong_formula_names_the_value_and_the_case(value_batch):
+    reports, _ = value_batch
+    found = task(reports, "wrong_formula", "op_cost")
+    assert found["status"] == "failed"
+    assert "bytes_moved" in found["message"] and "op_cost('add'" in found["message"]
+    assert task(reports, "wrong_formula", "roofline_ms")["status"] == "passed"
+
+
+def test_calling_the_courses_roofline_earns_nothing(value_batch):
+    reports, _ = value_batch
+    found = task(reports, "calls_predicted_ms", "roofline_ms")
+    assert found["status"] == "failed" and "predicted_ms" in found["message"]
+    assert task(reports, "calls_predicted_ms", "op_cost")["status"] == "passed"
