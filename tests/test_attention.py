@@ -86,7 +86,7 @@ def test_attention_and_gradients_match_reference(shape, dtype, causal):
     if dtype == torch.float16 and shape[-1] == 128 and not ON_GPU:
         pytest.skip("fp16 at D=128 is covered on the GPU (interpreter time)")
     q, k, v, do = make_inputs(shape, dtype, seed=sum(shape))
-    run_and_check(q, k, v, do, causal, dtype, baseline=dtype == torch.bfloat16)
+    run_and_check(q, k, v, do, causal, dtype, baseline=dtype != torch.float32)
 
 
 def test_log_sum_exp_is_saved_per_row():
@@ -217,9 +217,11 @@ def test_fp32_on_gpu_is_ieee_at_highest_precision():
 
 
 @GPU
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D={d}")
-@pytest.mark.parametrize("Sq", [1024, 16], ids=lambda s: f"Sq={s}")
+@pytest.mark.parametrize(
+    "Sq, D, causal",
+    [(1024, 64, False), (1024, 64, True), (1024, 128, False), (1024, 128, True), (16, 128, True)],
+    ids=str,
+)
 def test_every_gpu_config_matches_reference(Sq, D, causal):
     # The autotuner may pick any candidate; each one is checked here, at a benchmark-like shape.
     dtype, Sk, scale = torch.bfloat16, 1024, 1 / math.sqrt(D)
