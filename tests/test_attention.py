@@ -93,7 +93,7 @@ def test_log_sum_exp_is_saved_per_row():
     q, k, v, _ = make_inputs((1, 2, 20, 37, 32), torch.float32, seed=3)
     out, lse = attention_forward(q, k, v, causal=True, sm_scale=0.3)
     scores = (q.double() @ k.double().transpose(-2, -1)) * 0.3
-    visible = torch.ones(20, 37, dtype=torch.bool).tril(37 - 20)
+    visible = torch.ones(20, 37, dtype=torch.bool, device=DEVICE).tril(37 - 20)
     expected = torch.logsumexp(scores.masked_fill(~visible, -math.inf), dim=-1)
     check.assert_close(lse, expected, op="attention", dtype=torch.float32)
     check.assert_close(
