@@ -27,10 +27,10 @@ CPU_CONFIG = (32, 16, 4, 1)
 
 
 def forward_candidates(dtype, head_dim: int, seq_q: int) -> list:
-    """The configurations the GPU autotuner times for these inputs (none spills registers
-    when compiled for the H200 with triton 3.6)."""
-    if dtype == torch.float32:  # fp32 tiles take twice the shared memory
-        return [(64, 32, 4, 2)]
+    """The configurations the GPU autotuner times for these inputs. Compiled for the H200 with
+    triton 3.6, none of the 16-bit ones spills registers."""
+    if dtype == torch.float32:  # IEEE fp32 dots run on FMA units and need small tiles
+        return [(32, 16, 4, 2)]
     if seq_q <= 64:  # decoding: a few query rows against a long KV cache
         return [(64, 64, 4, 3), (64, 32, 4, 4)]
     if head_dim <= 64:
@@ -174,14 +174,31 @@ def config_tuple(config) -> tuple:
     return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
 
 
-def launch(kernel, tuned, args, meta, *, rows, block, config, cpu_config, B, H):
+# Below this many scores (B*H*Sq*Sk) launch overhead dominates: timing configurations would
+# cost more than it saves, so a GPU runs the first candidate untimed.
+TUNE_MIN_SCORES = 2**24
+
+
+def choose_config(config, cpu_config, candidates, q, k):
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with, or None to autotune:
+    `config` if given, `cpu_config` in the interpreter, else by problem size on a GPU."""
+    if config is not None:
+        return config
+    if not ON_GPU:
+        return cpu_config
+    B, H, Sq, D = q.shape
+    if B * H * Sq * k.shape[2] >= TUNE_MIN_SCORES:
+        return None
+    return candidates(q.dtype, D, length_buckets(Sq, k.shape[2])[0])[0]
+
+
+def launch(kernel, tuned, args, meta, *, rows, block, config, B, H):
     """Run `kernel` on a (cdiv(rows, block), H, B) grid, `block` ("BLOCK_M" or "BLOCK_N") being
-    the tile that splits `rows`: with `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) if
-    given, else through the autotuned `tuned` on a GPU, else with `cpu_config`."""
-    if config is None and ON_GPU:
+    the tile that splits `rows`, with `config`, or through the autotuned `tuned` if None."""
+    if config is None:
         tuned[lambda conf: (triton.cdiv(rows, conf[block]), H, B)](*args, **meta)
         return
-    bm, bn, warps, stages = config or cpu_config
+    bm, bn, warps, stages = config
     grid = (triton.cdiv(rows, bm if block == "BLOCK_M" else bn), H, B)
     kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
@@ -217,8 +234,9 @@ def attention_forward(q, k, v, causal: bool, sm_scale: float, config=None):
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, Sq, Sk,
             sm_scale * LOG2E, *length_buckets(Sq, Sk))  # fmt: skip
     meta = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype))
+    config = choose_config(config, CPU_CONFIG, forward_candidates, q, k)
     launch(attention_fwd_kernel, _attention_fwd_tuned, args, meta, rows=Sq, block="BLOCK_M",
-           config=config, cpu_config=CPU_CONFIG, B=B, H=H)  # fmt: skip
+           config=config, B=B, H=H)  # fmt: skip
     return o, lse
 
 

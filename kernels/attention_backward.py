@@ -15,7 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import LOG2E, autotuned, launch, length_buckets, with_32bit_head_offsets
+from kernels.attention import (
+    LOG2E,
+    autotuned,
+    choose_config,
+    launch,
+    length_buckets,
+    with_32bit_head_offsets,
+)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M query rows, BLOCK_N keys.
 CPU_DKDV_CONFIG = (16, 32, 4, 1)
@@ -24,10 +31,10 @@ DELTA_BLOCK_M = 64
 
 
 def dkdv_candidates(dtype, head_dim: int, seq_q: int) -> list:
-    """Configurations the GPU autotuner times for the dK/dV kernel (BLOCK_N keys per program);
-    none spills registers when compiled for the H200 with triton 3.6."""
+    """Configurations the GPU autotuner times for the dK/dV kernel (BLOCK_N keys per program).
+    Compiled for the H200 with triton 3.6, none of the 16-bit ones spills registers."""
     if dtype == torch.float32:
-        return [(32, 32, 4, 2)]
+        return [(16, 32, 4, 2)]
     if seq_q <= 64:
         return [(32, 64, 4, 3), (32, 64, 8, 3)]
     if head_dim <= 64:
@@ -38,7 +45,7 @@ def dkdv_candidates(dtype, head_dim: int, seq_q: int) -> list:
 def dq_candidates(dtype, head_dim: int, seq_q: int) -> list:
     """Configurations the GPU autotuner times for the dQ kernel (BLOCK_M queries per program)."""
     if dtype == torch.float32:
-        return [(32, 32, 4, 2)]
+        return [(32, 16, 4, 2)]
     if seq_q <= 64:
         return [(64, 64, 4, 3)]
     if head_dim <= 64:
@@ -233,7 +240,7 @@ _dq_tuned = autotuned(attention_bwd_dq_kernel, dq_candidates)
 def attention_backward(do, q, k, v, o, lse, causal, sm_scale, precision, configs=(None, None)):
     """(dq, dk, dv) from dO, the forward's inputs, its output O and log-sum-exp, and tl.dot's
     input precision. `configs` = (dK/dV config, dQ config), each (BLOCK_M, BLOCK_N, num_warps,
-    num_stages), or None for the autotuner (GPU) or the CPU config."""
+    num_stages), or None to let `choose_config` decide."""
     q, k, v, do = (with_32bit_head_offsets(t) for t in (q, k, v, do))
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
@@ -249,10 +256,10 @@ def attention_backward(do, q, k, v, o, lse, causal, sm_scale, precision, configs
     args = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), H, Sq, Sk, sm_scale,
             sm_scale * LOG2E, *length_buckets(Sq, Sk))  # fmt: skip
     meta = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=precision)
+    dkdv_config = choose_config(configs[0], CPU_DKDV_CONFIG, dkdv_candidates, q, k)
     launch(attention_bwd_dkdv_kernel, _dkdv_tuned, (q, k, v, do, lse, delta, dk, dv, *args),
-           meta, rows=Sk, block="BLOCK_N", config=configs[0], cpu_config=CPU_DKDV_CONFIG,
-           B=B, H=H)  # fmt: skip
+           meta, rows=Sk, block="BLOCK_N", config=dkdv_config, B=B, H=H)  # fmt: skip
+    dq_config = choose_config(configs[1], CPU_DQ_CONFIG, dq_candidates, q, k)
     launch(attention_bwd_dq_kernel, _dq_tuned, (q, k, v, do, lse, delta, dq, *args),
-           meta, rows=Sq, block="BLOCK_M", config=configs[1], cpu_config=CPU_DQ_CONFIG,
-           B=B, H=H)  # fmt: skip
+           meta, rows=Sq, block="BLOCK_M", config=dq_config, B=B, H=H)  # fmt: skip
     return dq, dk, dv

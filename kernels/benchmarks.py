@@ -248,11 +248,11 @@ def bench_attention(ceilings):
                 B = max(1, ATTENTION_TOKENS // (H * S))
                 times = time_attention(B, H, S, D, causal)
                 fwd, bwd = times.pop("triton")
-                tag = f"bf16 D={D} S={S}{' causal' if causal else ''}"
+                tag = f"bf16 D={D} S={S // 1024}k{' causal' if causal else ''}"
                 for direction, ms, backward in (("fwd", fwd, False), ("bwd", bwd, True)):
                     rows.append(
                         _row(
-                            f"attention {direction} {tag}",
+                            f"attn {direction} {tag}",
                             ms,
                             flops=attention_flops(B, H, S, S, D, causal, backward),
                             ceilings=ceilings,

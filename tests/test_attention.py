@@ -5,8 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import check
-from kernels.attention import attention, attention_forward, attention_ref, dot_precision
-from kernels.attention_backward import attention_backward
+from kernels.attention import (
+    attention,
+    attention_forward,
+    attention_ref,
+    dot_precision,
+    forward_candidates,
+)
+from kernels.attention_backward import attention_backward, dkdv_candidates, dq_candidates
 from kernels.runtime import DEVICE, ON_GPU
 
 GPU = pytest.mark.gpu
@@ -80,14 +86,14 @@ def test_attention_and_gradients_match_reference(shape, dtype, causal):
     if dtype == torch.float16 and shape[-1] == 128 and not ON_GPU:
         pytest.skip("fp16 at D=128 is covered on the GPU (interpreter time)")
     q, k, v, do = make_inputs(shape, dtype, seed=sum(shape))
-    run_and_check(q, k, v, do, causal, dtype, baseline=dtype == torch.bfloat16)
+    run_and_check(q, k, v, do, causal, dtype, baseline=dtype != torch.float32)
 
 
 def test_log_sum_exp_is_saved_per_row():
     q, k, v, _ = make_inputs((1, 2, 20, 37, 32), torch.float32, seed=3)
     out, lse = attention_forward(q, k, v, causal=True, sm_scale=0.3)
     scores = (q.double() @ k.double().transpose(-2, -1)) * 0.3
-    visible = torch.ones(20, 37, dtype=torch.bool).tril(37 - 20)
+    visible = torch.ones(20, 37, dtype=torch.bool, device=DEVICE).tril(37 - 20)
     expected = torch.logsumexp(scores.masked_fill(~visible, -math.inf), dim=-1)
     check.assert_close(lse, expected, op="attention", dtype=torch.float32)
     check.assert_close(
@@ -208,3 +214,30 @@ def test_backward_is_deterministic_on_gpu(causal):
 def test_fp32_on_gpu_is_ieee_at_highest_precision():
     q, k, v, do = make_inputs((1, 2, 129, 257, 64), torch.float32, seed=29)
     run_and_check(q, k, v, do, True, torch.float32)
+
+
+@GPU
+@pytest.mark.parametrize(
+    "Sq, D, causal",
+    [(1024, 64, False), (1024, 64, True), (1024, 128, False), (1024, 128, True), (16, 128, True)],
+    ids=str,
+)
+def test_every_gpu_config_matches_reference(Sq, D, causal):
+    # The autotuner may pick any candidate; each one is checked here, at a benchmark-like shape.
+    dtype, Sk, scale = torch.bfloat16, 1024, 1 / math.sqrt(D)
+    q, k, v, do = make_inputs((1, 16, Sq, Sk, D), dtype, seed=D + Sq)
+    expected = reference(q, k, v, do, causal)
+    theirs = sdpa_baseline(q, k, v, do, causal)
+    first_dkdv, first_dq = dkdv_candidates(dtype, D, Sq)[0], dq_candidates(dtype, D, Sq)[0]
+    runs = [(f"forward {c}", c, first_dkdv, first_dq) for c in forward_candidates(dtype, D, Sq)]
+    runs += [(f"dK/dV {c}", None, c, first_dq) for c in dkdv_candidates(dtype, D, Sq)]
+    runs += [(f"dQ {c}", None, first_dkdv, c) for c in dq_candidates(dtype, D, Sq)]
+    for label, fwd, dkdv, dq in runs:
+        with check.poisoned_allocations():
+            out, lse = attention_forward(q, k, v, causal, scale, config=fwd)
+            grads = attention_backward(do, q, k, v, out, lse, causal, scale, "tf32", (dkdv, dq))
+        for name, got, want, base in zip(
+            ("out", "dq", "dk", "dv"), (out, *grads), expected, theirs, strict=True
+        ):
+            result = check.compare(got, want, op="attention", dtype=dtype, baseline=base)
+            assert result.ok, f"{label}, {name}: {result.message}"
