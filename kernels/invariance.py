@@ -117,7 +117,7 @@ def check_batch_invariance(
     bmax = x.shape[0]
     report = InvarianceReport()
     full = f(x)
-    for b in sizes or batch_sizes(bmax):
+    for b in batch_sizes(bmax) if sizes is None else sizes:
         report.compare(f"B={b}", f(x[:b]), full[:b], batch=b)
     rng = random.Random(seed)
     for _ in range(needles):
