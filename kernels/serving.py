@@ -75,12 +75,17 @@ def _sample(requests, logits):
 
 def same_prompt_traffic(prompt, copies, new_tokens, fillers, spread, seed=0) -> list:
     """`copies` requests for `prompt` and `fillers` other requests of other lengths, arriving at
-    random steps in [0, spread): the copies land in batches of different size and company."""
+    random steps in [0, spread): a crowd at first, thinning out (step = spread * u**2), so that
+    the copies land in batches of every size from full down to one, in different company."""
     rng = random.Random(seed)
-    requests = [Request(prompt, new_tokens, rng.randrange(spread)) for _ in range(copies)]
+
+    def arrival():
+        return int(spread * rng.random() ** 2)
+
+    requests = [Request(prompt, new_tokens, arrival()) for _ in range(copies)]
     for _ in range(fillers):
         words = " ".join(rng.choice(FILLER_WORDS) for _ in range(rng.randint(1, 4)))
-        requests.append(Request(words, rng.randint(2, 2 * new_tokens), rng.randrange(spread)))
+        requests.append(Request(words, rng.randint(2, 2 * new_tokens), arrival()))
     return requests
 
 
