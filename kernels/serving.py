@@ -40,7 +40,8 @@ def serve(model: TinyLM, requests: list, max_batch: int) -> list:
     if too_long:
         raise ValueError(f"{len(too_long)} requests need more than max_len = "
                          f"{model.config.max_len} positions, e.g. {too_long[0]}")  # fmt: skip
-    cache = KVCache(model.config, max_batch, device=model.tok_emb.device)
+    device = model.tok_emb.device
+    cache = KVCache(model.config, max_batch, device=device)
     free_slots = list(range(max_batch))
     waiting = sorted(requests, key=lambda r: r.arrival)
     running = []  # (request, slot)
@@ -48,17 +49,17 @@ def serve(model: TinyLM, requests: list, max_batch: int) -> list:
     while waiting or running:
         while waiting and waiting[0].arrival <= step and free_slots:  # admit and prefill
             request, slot = waiting.pop(0), free_slots.pop(0)
-            prompt = torch.tensor([encode(request.prompt)], device=model.tok_emb.device)
+            prompt = torch.tensor([encode(request.prompt)], device=device)
             _sample([request], model.forward(prompt, cache, [slot], [0])[:, -1])
             running.append((request, slot))
+        for request, slot in [(r, s) for r, s in running if len(r.tokens) >= r.max_new_tokens]:
+            running.remove((request, slot))  # done: its slot is free for the next request
+            free_slots.append(slot)
         if running:  # one decoding step for everyone running, in one padded batch
-            tokens = torch.tensor([[r.tokens[-1]] for r, _ in running], device=DEVICE)
+            tokens = torch.tensor([[r.tokens[-1]] for r, _ in running], device=device)
             starts = [len(r.prompt) + len(r.tokens) - 1 for r, _ in running]
             logits = model.forward(tokens, cache, [s for _, s in running], starts)[:, -1]
             _sample([r for r, _ in running], logits)
-            for request, slot in [(r, s) for r, s in running if len(r.tokens) >= r.max_new_tokens]:
-                running.remove((request, slot))
-                free_slots.append(slot)
         step += 1
     return requests
 
