@@ -149,9 +149,18 @@ def attend(q, k, v, kv_lens):
     the batch-invariant kernel inside `batch_invariant_mode()`, torch's SDPA otherwise."""
     if batch_invariant.enabled():
         return batch_invariant.attention(q, k, v, causal=True, kv_lens=kv_lens)
-    S, L = q.shape[2], k.shape[2]
-    lens = torch.tensor(kv_lens, device=q.device)[:, None, None]  # (B, 1, 1)
+    return sdpa_attention(q, k, v, causal=True, kv_lens=kv_lens)
+
+
+def sdpa_attention(q, k, v, causal=False, kv_lens=None):
+    """torch's scaled_dot_product_attention behind the interface of the invariant attention:
+    the padding (kv_lens) and causal alignment become a boolean mask."""
+    B, S, L = q.shape[0], q.shape[2], k.shape[2]
+    lens = torch.tensor([L] * B if kv_lens is None else list(kv_lens), device=q.device)
+    lens = lens[:, None, None]  # (B, 1, 1)
     key_pos = torch.arange(L, device=q.device)[None, None, :]
-    query_pos = lens - S + torch.arange(S, device=q.device)[None, :, None]  # (B, S, 1)
-    visible = (key_pos <= query_pos) & (key_pos < lens)  # (B, S, L)
+    visible = key_pos < lens  # (B, 1, L)
+    if causal:
+        query_pos = lens - S + torch.arange(S, device=q.device)[None, :, None]  # (B, S, 1)
+        visible = visible & (key_pos <= query_pos)  # (B, S, L)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None])

@@ -20,7 +20,7 @@ from kernels.invariance import (
     ulp_distance,
 )
 from kernels.runtime import DEVICE, ON_GPU
-from kernels.tiny_lm import attend
+from kernels.tiny_lm import sdpa_attention
 
 CPU_DTYPES = [torch.float32, torch.float16]
 
@@ -96,12 +96,8 @@ def test_invariant_attention_passes_the_harness(dtype):
 def test_torch_attention_fails_the_attention_harness_on_this_cpu():
     """What the tiny LM uses by default: scaled_dot_product_attention with a padding mask."""
     q, k, v = (check.random_tensor((2, 1, 140, 16), seed=s) for s in (14, 15, 16))
-    report = check_attention_invariance(_sdpa, q, k, v)
+    report = check_attention_invariance(sdpa_attention, q, k, v)
     assert not report.ok and report.max_ulp > 0
-
-
-def _sdpa(q, k, v, causal=True, kv_lens=None):
-    return attend(q, k, v, [k.shape[2]] * q.shape[0] if kv_lens is None else kv_lens)
 
 
 def test_split_k_matmul_is_batch_variant_where_its_split_changes():
