@@ -1,0 +1,236 @@
+"""Batch-invariant attention: split-KV with a fixed split SIZE, for prefill and decoding alike.
+
+softmax(q k^T * sm_scale) v for q (B, H, Sq, D) and k, v (B, H, Sk, D). A query's output must
+have the same bits whether it is computed in a full prefill, in a chunk of a prefill, or alone
+in one decoding step over the KV cache, and whatever else is in the batch. So:
+
+- the KV cache is updated before the kernel: cached and new keys are reduced together;
+- the keys are cut into splits of SPLIT_SIZE at fixed absolute positions (1000 keys with a
+  split size of 256 are 256 + 256 + 256 + 232, never 4 x 250 as a fixed NUMBER of splits
+  would give); each program reduces one split for BLOCK_M queries of one (batch, head), in
+  blocks of BLOCK_N keys, with an online softmax; the same BLOCK_M serves every Sq;
+- a second kernel combines a query's splits in order. Keys a query may not see (beyond its
+  sequence's `kv_lens`, or in its causal future) add exact zeros, and splits it cannot see at
+  all are skipped exactly: neither changes its bits.
+
+Workspace: (B, H, Sq, n_splits) x (D + 2) fp32 partial results. Bytes: q, k, v read once,
+the workspace written and read once, the output written once.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.invariant_matmul import input_precision
+from kernels.invariant_rows import add_combine, max_combine
+from kernels.runtime import INTERPRET, pick
+from kernels.validate import check_same, check_tensor
+
+LOG2E = 1.4426950408889634
+
+# Fixed for every shape. The interpreter pays per operation, so on a CPU the tiles are larger
+# and the split smaller (so that small tests still cross split boundaries).
+CONFIG = pick(
+    cpu=dict(BLOCK_M=32, BLOCK_N=64, SPLIT_SIZE=64, BLOCK_R=64),
+    gpu=dict(BLOCK_M=16, BLOCK_N=64, SPLIT_SIZE=256, BLOCK_R=16),
+)
+
+
+@triton.jit(do_not_specialize=["H", "Sq", "Sk"])
+def attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, kv_lens_ptr, m_ptr, l_ptr, acc_ptr,
+    H, Sq, Sk, D, n_splits, qk_scale,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    HAS_KV_LENS: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    if HAS_KV_LENS:
+        kv_len = tl.load(kv_lens_ptr + b)
+    else:
+        kv_len = Sk
+    # 64-bit offsets (the interpreter also checks every 32-bit integer operation for overflow)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_ok = offs_d[None, :] < D
+    q_pos = offs_m + (kv_len - Sq)  # a query's absolute position: causal aligned to the end
+    q = tl.load(
+        q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=(offs_m[:, None] < Sq) & d_ok,
+        other=0.0,
+    )
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+
+    lo = split * SPLIT_SIZE
+    hi = tl.minimum(lo + SPLIT_SIZE, kv_len)
+    if CAUSAL:  # no block past the last query of this tile
+        hi = tl.minimum(hi, pid_m * BLOCK_M + BLOCK_M + (kv_len - Sq))
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_D), 0.0, dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):  # blocks at fixed absolute positions
+        offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
+        key_ok = offs_n[:, None] < kv_len
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_ok & d_ok,
+                    other=0.0)  # fmt: skip
+        if USE_DOT:  # see DOT_ON_CPU in kernels/invariant_matmul.py
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        else:
+            s = tl.reduce(
+                q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), 2, add_combine
+            )
+        s = s * qk_scale  # log2 units
+        visible = offs_n[None, :] < kv_len
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: stay at 0
+        alpha = tl.exp2(m_i - m_use)  # exactly 1 when the max did not move
+        p = tl.exp2(s - m_use[:, None])  # exactly 0 for keys the query may not see
+        l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_ok & d_ok,
+                    other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None]
+        if USE_DOT:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        else:
+            pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v[None, :, :].to(tl.float32)
+            acc += tl.reduce(pv, 1, add_combine)
+        m_i = m_new
+
+    row = ((b * H + h) * Sq + offs_m) * n_splits + split  # (B, H, Sq, n_splits) partials
+    row_ok = offs_m < Sq
+    tl.store(m_ptr + row, m_i, mask=row_ok)
+    tl.store(l_ptr + row, l_i, mask=row_ok)
+    tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_splits"])
+def attention_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One (batch, head, query) row per lane, its splits combined in order. A split the query
+    # cannot see has m = -inf, l = 0, acc = 0: it scales by exp2(-inf) = 0 and adds exact zeros.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    l = tl.full((BLOCK_R,), 0.0, dtype=tl.float32)
+    acc = tl.full((BLOCK_R, BLOCK_D), 0.0, dtype=tl.float32)
+    for split in range(0, n_splits):
+        part = rows * n_splits + split
+        m_s = tl.load(m_ptr + part, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(l_ptr + part, mask=row_ok, other=0.0)
+        acc_s = tl.load(acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)  # fmt: skip
+        m_new = tl.maximum(m, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale_old = tl.exp2(m - m_use)
+        scale_s = tl.exp2(m_s - m_use)
+        l = l * scale_old + l_s * scale_s
+        acc = acc * scale_old[:, None] + acc_s * scale_s[:, None]
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a query that sees no key: acc = 0, out 0
+    out_ptrs = out_ptr + rows[:, None] * D + offs_d[None, :]
+    tl.store(
+        out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D)
+    )
+
+
+def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tensor:
+    """softmax(q k^T * sm_scale) v over the last two dims of (B, H, S, D) tensors; fp32
+    arithmetic, output in q's dtype and shape. Sq <= Sk; with `causal`, query i sees keys
+    <= i + Sk - Sq. `kv_lens` (B ints, a tensor or a list): sequence b's keys are its first
+    kv_lens[b] positions (the rest is padding) and causal alignment is to kv_lens[b].
+    A query that sees no key gets zeros. Bits do not depend on the batch or on Sq."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+    check_same("q, k and v", q, k, v, shape=False)
+    check_same("k and v", k, v)
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    if k.shape[:2] != (B, H) or k.shape[3] != D or Sq > Sk:
+        raise ValueError(
+            f"expected q (B, H, Sq, D), k and v (B, H, Sk, D) with Sq <= Sk, got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    lens = _kv_lens(kv_lens, B, Sk, q.device)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    if Sk == 0:
+        return out.zero_()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cfg = CONFIG
+    n_splits = triton.cdiv(Sk, cfg["SPLIT_SIZE"])
+    block_d = max(triton.next_power_of_2(D), 16)
+    n_rows = B * H * Sq
+    part_m = torch.empty((n_rows * n_splits,), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((n_rows * n_splits, block_d), dtype=torch.float32, device=q.device)
+    grid = (B * H, triton.cdiv(Sq, cfg["BLOCK_M"]), n_splits)
+    attention_split_kernel[grid](
+        q, k, v, lens if lens is not None else part_m, part_m, part_l, part_acc,
+        H, Sq, Sk, D, n_splits, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        HAS_KV_LENS=lens is not None, CAUSAL=bool(causal),
+        INPUT_PRECISION=input_precision(q.dtype), USE_DOT=not INTERPRET,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
+        SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=2,
+    )  # fmt: skip
+    attention_combine_kernel[(triton.cdiv(n_rows, cfg["BLOCK_R"]),)](
+        part_m, part_l, part_acc, out, n_rows, n_splits, D,
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _kv_lens(kv_lens, B, Sk, device):
+    """kv_lens as an int32 tensor on the kernels' device, checked (on the host when given there)."""
+    if kv_lens is None:
+        return None
+    if not isinstance(kv_lens, torch.Tensor):
+        kv_lens = torch.tensor(list(kv_lens), dtype=torch.int64)
+    if kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool or kv_lens.dim() != 1:
+        raise TypeError(f"kv_lens must be a 1-D integer tensor, got {kv_lens.dtype} "
+                        f"{tuple(kv_lens.shape)}")  # fmt: skip
+    if kv_lens.shape[0] != B:
+        raise ValueError(f"kv_lens must have B = {B} entries, got {kv_lens.shape[0]}")
+    if bool(((kv_lens < 0) | (kv_lens > Sk)).any()):
+        raise ValueError(f"kv_lens must be in [0, Sk = {Sk}], got {kv_lens.tolist()}")
+    return kv_lens.to(device=device, dtype=torch.int32)
+
+
+def attention_ref(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tensor:
+    """Plain PyTorch in fp32 (fp64 for fp64 inputs), one sequence at a time."""
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    lens = [Sk] * B if kv_lens is None else [int(n) for n in kv_lens]
+    out = torch.zeros(q.shape, dtype=wide, device=q.device)
+    for b, n in enumerate(lens):
+        s = q[b].to(wide) @ k[b, :, :n].to(wide).transpose(-1, -2) * scale  # (H, Sq, n)
+        visible = torch.ones(Sq, n, dtype=torch.bool, device=q.device)
+        if causal:
+            visible = torch.arange(n, device=q.device)[None, :] <= (
+                torch.arange(Sq, device=q.device)[:, None] + n - Sq
+            )
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: zeros
+        out[b] = p @ v[b, :, :n].to(wide)
+    return out.to(q.dtype)

@@ -1,0 +1,198 @@
+"""The batch-invariant kernels: correct against references, and the mode that routes torch's
+ops to them. Invariance itself is checked in test_invariance_harness.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import batch_invariant as bi
+from kernels import check
+from kernels.invariant_attention import CONFIG as ATTENTION_CONFIG
+from kernels.invariant_rows import mean, softmax
+from kernels.runtime import ON_GPU
+from kernels.serving import run_experiment, score
+from kernels.tiny_lm import TinyLM
+
+CPU_DTYPES = [torch.float32, torch.float16]
+DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+
+def _inputs(shape, dtype, seed, scale=1.0):
+    return check.random_tensor(shape, dtype, seed=seed, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 127), (129, 1000), (2, 3, 4097)], ids=str)
+def test_rms_norm_matches_reference(shape, dtype):
+    x = _inputs(shape, dtype, seed=1, scale=2.0)
+    w = _inputs(shape[-1:], dtype, seed=2)
+    x0 = x.clone()
+    with check.poisoned_allocations():
+        out = bi.rms_norm(x, w)
+    check.assert_close(out, bi.rms_norm_ref(x.double(), w.double()), op="reduction", dtype=dtype)
+    assert torch.equal(x, x0)
+
+
+MATMUL_SHAPES = [(1, 1, 1), (3, 127, 129), (129, 65, 33), (127, 129, 1), (65, 300, 129)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("epilogue", [(False, None), (True, "gelu"), (True, "relu")], ids=str)
+@pytest.mark.parametrize("mkn", MATMUL_SHAPES, ids=str)
+def test_matmul_matches_reference(mkn, epilogue, dtype):
+    M, K, N = mkn
+    has_bias, activation = epilogue
+    a, b = _inputs((M, K), dtype, seed=3), _inputs((K, N), dtype, seed=4)
+    bias = _inputs((N,), dtype, seed=5) if has_bias else None
+    with check.poisoned_allocations():
+        out = bi.matmul(a, b, bias, activation)
+    ref = bi.matmul_ref(a.double(), b.double(), None if bias is None else bias.double(), activation)
+    check.assert_close(
+        out, ref, op="matmul", dtype=dtype, baseline=_torch_matmul(a, b, bias, activation)
+    )
+
+
+def _torch_matmul(a, b, bias, activation):
+    """PyTorch's own result in the inputs' dtype: the baseline of the 'twice torch's error' rule."""
+    out = a @ b if bias is None else torch.addmm(bias, a, b)
+    return {None: out, "gelu": F.gelu(out), "relu": torch.relu(out)}[activation]
+
+
+def test_matmul_odd_inputs():
+    a, b = _inputs((48, 40), torch.float32, seed=6), _inputs((64, 48), torch.float32, seed=7)
+    check.assert_close(bi.matmul(a.t(), b.t()), a.t().double() @ b.t().double(), op="matmul")
+    assert bi.matmul(a[:0], b.t()[:40]).shape == (0, 64)
+    bias = _inputs((64,), torch.float32, seed=8)
+    empty_k = bi.matmul(a[:, :0], b.t()[:0], bias, "relu")  # no reduction: relu(bias) per row
+    assert torch.equal(empty_k, torch.relu(bias).expand(48, 64))
+    with pytest.raises(ValueError, match=r"a \(M, K\) @ b \(K, N\)"):
+        bi.matmul(a, b)
+    with pytest.raises(ValueError, match="activation"):
+        bi.matmul(a, b.t()[:40], activation="tanh")
+    with pytest.raises(TypeError, match="supported"):
+        bi.matmul(a.int(), b.int())
+
+
+ATTENTION_SHAPES = [  # B, H, Sq, Sk, D
+    (1, 1, 1, 1, 16),
+    (2, 3, 1, 130, 16),
+    (1, 2, 37, 37, 24),
+    (2, 1, 5, 2 * ATTENTION_CONFIG["SPLIT_SIZE"] + 3, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=str)
+def test_attention_matches_reference(shape, causal, dtype):
+    B, H, Sq, Sk, D = shape
+    q = _inputs((B, H, Sq, D), dtype, seed=9)
+    k, v = _inputs((B, H, Sk, D), dtype, seed=10), _inputs((B, H, Sk, D), dtype, seed=11)
+    with check.poisoned_allocations():
+        out = bi.attention(q, k, v, causal=causal)
+    ref = bi.attention_ref(q.double(), k.double(), v.double(), causal=causal)
+    check.assert_close(out, ref, op="attention", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_with_kv_lens_equals_each_sequence_alone(dtype):
+    """A padded batch of sequences of different lengths, decoded together, gives each one the
+    bits it gets alone and unpadded (and the reference's values)."""
+    lens = [1, 64, 100, 37]
+    B, H, L, D = len(lens), 2, max(lens) + 20, 16
+    q = _inputs((B, H, 1, D), dtype, seed=12)
+    k, v = _inputs((B, H, L, D), dtype, seed=13), _inputs((B, H, L, D), dtype, seed=14)
+    k[0, :, lens[0] :] = float("nan")  # padding is never read into the result
+    out = bi.attention(q, k, v, causal=True, kv_lens=torch.tensor(lens))
+    for b, n in enumerate(lens):
+        alone = bi.attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], causal=True)
+        assert torch.equal(out[b : b + 1], alone), f"sequence {b} (length {n})"
+    ref = bi.attention_ref(q.double(), k.double().nan_to_num(), v.double(), kv_lens=lens)
+    check.assert_close(out, ref, op="attention", dtype=dtype)
+
+
+def test_attention_edge_cases():
+    q = _inputs((2, 1, 3, 16), torch.float32, seed=15)
+    k = _inputs((2, 1, 8, 16), torch.float32, seed=16)
+    out = bi.attention(q, k, k, causal=True, kv_lens=[0, 2])
+    assert torch.equal(out[0], torch.zeros_like(out[0])), "no visible key: zeros"
+    assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0])), "query before every key"
+    check.assert_close(out, bi.attention_ref(q, k, k, causal=True, kv_lens=[0, 2]), op="attention")
+    assert bi.attention(q[:0], k[:0], k[:0]).shape == (0, 1, 3, 16)
+    with pytest.raises(ValueError, match="Sq <= Sk"):
+        bi.attention(k, q, q)
+    with pytest.raises(ValueError, match="kv_lens must be in"):
+        bi.attention(q, k, k, kv_lens=[9, 1])
+    with pytest.raises(TypeError, match="integer"):
+        bi.attention(q, k, k, kv_lens=torch.ones(2))
+
+
+def test_row_reductions_match_torch():
+    x = _inputs((5, 3, 1000), torch.float32, seed=17, scale=3.0)
+    check.assert_close(mean(x, keepdim=True), x.double().mean(-1, keepdim=True), op="reduction")
+    check.assert_close(softmax(x), torch.softmax(x.double(), -1), op="reduction")
+    check.assert_close(softmax(x, log=True), torch.log_softmax(x.double(), -1), op="reduction")
+    masked = x.masked_fill(x < 1.0, float("-inf"))
+    check.assert_close(softmax(masked), torch.softmax(masked.double(), -1), op="reduction")
+
+
+def test_mode_routes_torch_ops_and_restores_them():
+    a = _inputs((33, 40), torch.float32, seed=18)
+    w = _inputs((24, 40), torch.float32, seed=19)
+    bias = _inputs((24,), torch.float32, seed=20)
+    before = (torch.mm(a, w.t()), F.linear(a, w, bias), torch.log_softmax(a, -1), a.mean(-1))
+    in_fp64 = torch.mm(a.double(), w.t().double())
+    assert not bi.enabled()
+    with bi.batch_invariant_mode():
+        assert bi.enabled()
+        assert torch.equal(torch.mm(a, w.t()), bi.matmul(a, w.t()))
+        assert torch.equal(a @ w.t(), bi.matmul(a, w.t()))
+        assert torch.equal(F.linear(a, w, bias), bi.matmul(a, w.t(), bias))
+        three_d = F.linear(a.view(3, 11, 40), w, bias)
+        assert torch.equal(three_d.view(33, 24), bi.matmul(a, w.t(), bias))
+        assert torch.equal(torch.addmm(bias, a, w.t(), beta=0.5), bi.matmul(a, w.t()) + bias * 0.5)
+        assert torch.equal(torch.log_softmax(a, -1), softmax(a, log=True))
+        assert torch.equal(torch.softmax(a, -1), softmax(a))
+        assert torch.equal(a.mean(-1), mean(a))
+        with bi.batch_invariant_mode():  # nesting is harmless
+            assert torch.equal(torch.mm(a, w.t()), bi.matmul(a, w.t()))
+        assert bi.enabled()
+        # what the kernels do not take still works: fp64, other dims
+        fallback = torch.mm(a.double(), w.t().double())
+        check.assert_close(fallback, in_fp64, op="matmul", dtype=torch.float32)
+        check.assert_close(a.mean(0), a.double().mean(0), op="reduction")
+        check.assert_close(torch.softmax(a, 0), torch.softmax(a.double(), 0), op="reduction")
+    assert not bi.enabled()
+    after = (torch.mm(a, w.t()), F.linear(a, w, bias), torch.log_softmax(a, -1), a.mean(-1))
+    for op_before, op_after in zip(before, after, strict=True):
+        assert torch.equal(op_before, op_after)
+
+
+def test_mode_is_restored_after_an_error():
+    a = _inputs((4, 8), torch.float32, seed=21)
+    with pytest.raises(RuntimeError, match="inside"):
+        with bi.batch_invariant_mode():
+            raise RuntimeError("inside")
+    assert not bi.enabled()
+    assert torch.equal(torch.mm(a, a.t()), torch.mm(a, a.t()))
+
+
+PROMPT = "Tell me about Richard Feynman."
+
+
+def test_tiny_lm_served_in_the_mode_is_reproducible_and_on_policy():
+    model = TinyLM()
+    with bi.batch_invariant_mode():
+        result = run_experiment(model, PROMPT, 3, new_tokens=4, fillers=2, max_batch=2, spread=4)
+        assert result["distinct"] == 1 and result["first_divergence"] is None
+        for request in result["requests"]:  # the trainer's numbers are the sampler's, bit for bit
+            assert score(model, request) == request.logprobs
+
+
+@pytest.mark.skipif(ON_GPU or not torch.backends.mkl.is_available(), reason="CPU build with MKL")
+def test_tiny_lm_served_by_torch_on_this_cpu_is_not():
+    model = TinyLM()
+    result = run_experiment(model, PROMPT, 12, new_tokens=8, fillers=4, max_batch=4, spread=20)
+    assert result["distinct"] > 1
+    request = result["requests"][0]
+    assert score(model, request) != request.logprobs
