@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.matmul import input_precision
 from kernels.runtime import ON_GPU
 from kernels.validate import check_same, check_tensor
 
@@ -138,13 +139,6 @@ def attention_fwd_kernel(
     tl.store(LSE + row0 + rows, lse, mask=rows_in)
 
 
-def dot_precision(dtype) -> str:
-    """tl.dot's input precision: fp32 follows torch ("highest" means IEEE, else TF32)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"  # Triton's default; it only matters for fp32 inputs
-
-
 def autotuned(kernel, candidates):
     """`kernel` under triton.autotune: times `candidates(dtype, head_dim, seq_q)` once per
     (power-of-two length buckets, head dim, causal, dtype), and keeps the timings on disk
@@ -233,7 +227,7 @@ def attention_forward(q, k, v, causal: bool, sm_scale: float, config=None):
         return o, lse
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, Sq, Sk,
             sm_scale * LOG2E, *length_buckets(Sq, Sk))  # fmt: skip
-    meta = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype))
+    meta = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=input_precision(q.dtype))
     config = choose_config(config, CPU_CONFIG, forward_candidates, q, k)
     launch(attention_fwd_kernel, _attention_fwd_tuned, args, meta, rows=Sq, block="BLOCK_M",
            config=config, B=B, H=H)  # fmt: skip
@@ -245,7 +239,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, sm_scale):
         o, lse = attention_forward(q, k, v, causal, sm_scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale, ctx.precision = causal, sm_scale, dot_precision(q.dtype)
+        ctx.causal, ctx.sm_scale, ctx.precision = causal, sm_scale, input_precision(q.dtype)
         return o
 
     @staticmethod

@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from kernels.invariance import processors
-from kernels.invariant_matmul import input_precision
 from kernels.invariant_rows import add_combine
+from kernels.matmul import check_matmul_inputs, input_precision
 from kernels.runtime import INTERPRET, pick
-from kernels.validate import check_same, check_tensor
+from kernels.validate import check_tensor
 
 SPLIT_CONFIG = pick(
     cpu=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32),
@@ -83,12 +83,7 @@ def split_k_matmul_kernel(
 def split_k_matmul(a: torch.Tensor, b: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
     """a (M, K) @ b (K, N) with K cut into `split_k` pieces (default: `split_k_for(M, N, K)`,
     chosen from the shape as libraries do). Correct, deterministic, and batch-VARIANT."""
-    check_tensor("a", a, ndim=2)
-    check_tensor("b", b, ndim=2)
-    check_same("a and b", a, b, shape=False)
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a (M, K) @ b (K, N) needs a.shape[1] == b.shape[0], got a "
-                         f"{tuple(a.shape)} and b {tuple(b.shape)}")  # fmt: skip
+    check_matmul_inputs(a, b)
     (M, K), N = a.shape, b.shape[1]
     split_k = split_k or split_k_for(M, N, K)
     if M == 0 or N == 0 or K == 0:

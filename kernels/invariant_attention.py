@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.invariant_matmul import input_precision
 from kernels.invariant_rows import add_combine, max_combine
+from kernels.matmul import input_precision
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import check_same, check_tensor
 

@@ -16,10 +16,8 @@ import triton
 import triton.language as tl
 
 from kernels.invariant_rows import add_combine
+from kernels.matmul import check_matmul_inputs, input_precision
 from kernels.runtime import INTERPRET, pick
-from kernels.validate import check_same, check_tensor
-
-ACTIVATIONS = (None, "gelu", "relu")
 
 # DOT_ON_CPU: on the GPU, tl.dot runs on tensor cores (or FMA units for IEEE fp32), and an
 # output element's sum does not depend on which row of the tile it sits in. Under the CPU
@@ -95,29 +93,10 @@ def invariant_matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def input_precision(dtype: torch.dtype) -> str:
-    """fp32 follows torch.get_float32_matmul_precision(): "highest" is IEEE fp32, else TF32."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"  # ignored for 16-bit inputs
-
-
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) then `activation` in {None, "gelu", "relu"}; fp32
     accumulation, output in the inputs' dtype. Row i of the result does not depend on M."""
-    check_tensor("a", a, ndim=2)
-    check_tensor("b", b, ndim=2)
-    check_same("a and b", a, b, shape=False)
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a (M, K) @ b (K, N) needs a.shape[1] == b.shape[0], got a "
-                         f"{tuple(a.shape)} and b {tuple(b.shape)}")  # fmt: skip
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1)
-        check_same("a and bias", a, bias, shape=False)
-        if bias.shape[0] != b.shape[1]:
-            raise ValueError(f"bias must have N = {b.shape[1]} elements, got {tuple(bias.shape)}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_matmul_inputs(a, b, bias, activation)
     (M, K), N = a.shape, b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:

@@ -132,7 +132,9 @@ def input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _check(a, b, bias, activation):
+def check_matmul_inputs(a, b, bias=None, activation=None):
+    """Validation shared by every matmul in the course: 2-D a (M, K) and b (K, N) of one
+    dtype and device, bias (N,) or None, a known activation."""
     check_tensor("a", a, ndim=2)
     check_tensor("b", b, ndim=2)
     check_same("a and b", a, b, shape=False)
@@ -152,7 +154,7 @@ def _check(a, b, bias, activation):
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu"
     (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype."""
-    _check(a, b, bias, activation)
+    check_matmul_inputs(a, b, bias, activation)
     (M, K), N = a.shape, b.shape[1]
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)

@@ -9,10 +9,10 @@ from kernels.attention import (
     attention,
     attention_forward,
     attention_ref,
-    dot_precision,
     forward_candidates,
 )
 from kernels.attention_backward import attention_backward, dkdv_candidates, dq_candidates
+from kernels.matmul import input_precision
 from kernels.runtime import DEVICE, ON_GPU
 
 GPU = pytest.mark.gpu
@@ -188,12 +188,12 @@ def test_fp32_precision_follows_torch():
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert dot_precision(torch.float32) == "ieee"
+        assert input_precision(torch.float32) == "ieee"
         torch.set_float32_matmul_precision("high")
-        assert dot_precision(torch.float32) == "tf32"
+        assert input_precision(torch.float32) == "tf32"
     finally:
         torch.set_float32_matmul_precision(previous)
-    assert dot_precision(torch.bfloat16) == "tf32"  # ignored for 16-bit inputs
+    assert input_precision(torch.bfloat16) == "tf32"  # ignored for 16-bit inputs
 
 
 @GPU
