@@ -28,9 +28,7 @@ EXP = "numerator = tl.exp(x - tl.max(x, axis=0))"
 SAFE = 'safe = tl.where(m_new == float("-inf"), 0.0, m_new)'
 STREAMED_START = "    ### HINT: as in softmax: as_rows"
 NORM_LOAD = "x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)"
-MEAN = "tl.sum(x * x, axis=0) / n_cols"
 
-TORCH_GELU = "    return torch.nn.functional.gelu(x + bias)" + BLOCK_END
 TORCH_SOFTMAX = "    return torch.softmax(x, dim=-1)" + BLOCK_END
 NO_MINUS_INF = ROW_LOAD.replace(', other=float("-inf")', "")
 ONE_BLOCK = "    return softmax(x)\n" + STREAMED_START
@@ -38,7 +36,6 @@ FP16_LOAD = NORM_LOAD.replace(".to(tl.float32)", "")
 
 # name -> (the task, which is also the function whose graded cell changes, [(old, new), ...])
 CASES = {
-    "gelu_in_torch": ("bias_gelu", [(END, TORCH_GELU)]),
     "tanh_gelu": ("bias_gelu", [(GELU, TANH_GELU)]),
     "calls_softmax": ("softmax", [(END, TORCH_SOFTMAX)]),
     "no_max": ("softmax", [(EXP, "numerator = tl.exp(x)")]),
@@ -46,11 +43,9 @@ CASES = {
     "one_block": ("softmax_streamed", [(STREAMED_START, ONE_BLOCK)]),
     "no_guard": ("softmax_streamed", [(SAFE, "safe = m_new")]),
     "fp16_squares": ("rms_norm", [(NORM_LOAD, FP16_LOAD)]),
-    "mean_over_block": ("rms_norm", [(MEAN, "tl.sum(x * x, axis=0) / BLOCK")]),
 }  # fmt: skip
 
 EXPECTED = {
-    "gelu_in_torch": ["called torch's gelu, the op this task asks you to write"],
     "tanh_gelu": ["wrong values: max abs error", "float32", "seed", "Hint:", "erf"],
     "calls_softmax": ["called torch's softmax"],
     "no_max": ["non-finite values", "logits around 1000", "float32"],
@@ -58,7 +53,6 @@ EXPECTED = {
     "one_block": ["shape (1, 1048577)", "block 4096"],
     "no_guard": ["non-finite values", "columns -inf", "block 128"],
     "fp16_squares": ["wrong values", "float16"],
-    "mean_over_block": ["wrong values: max abs error", "shape (3, 127), float32"],
 }
 
 
@@ -79,22 +73,26 @@ def make_submission(folder: Path, name: str, function: str, edits) -> Path:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    """Every bad submission's report, graded one task at a time."""
-    found = {}
+    """Every bad submission's report: one grader per task, all started at once."""
+    runs = []
     for task in dict.fromkeys(spec[0] for spec in CASES.values()):
         folder = tmp_path_factory.mktemp(task)
         names = [name for name, spec in CASES.items() if spec[0] == task]
         paths = [make_submission(folder, name, *CASES[name]) for name in names]
         target = folder / "grades.json"
-        out = subprocess.run(
-            [sys.executable, "-m", "kernels", "grade", *map(str, paths), "--task", task]
-            + ["--json", str(target), "--jobs", "3"],
-            capture_output=True,
+        command = [sys.executable, "-m", "kernels", "grade", *map(str, paths), "--task", task]
+        process = subprocess.Popen(
+            [*command, "--json", str(target), "--jobs", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=600,
             cwd=ROOT,
         )
-        assert out.returncode == 1, out.stdout + out.stderr
+        runs.append((process, target))
+    found = {}
+    for process, target in runs:
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 1, output
         for report in json.loads(target.read_text()):
             found[Path(report["path"]).name.split("_lab02")[0]] = report
     assert set(found) == set(CASES)
