@@ -139,25 +139,47 @@ def random_tensor(shape, dtype=torch.float32, *, seed: int, device=None, scale: 
     return values.to(dtype=dtype, device=device or DEVICE)
 
 
-def _poison_value(dtype: torch.dtype):
-    if dtype.is_floating_point or dtype.is_complex:
-        return math.nan
-    if dtype == torch.bool:
-        return True
-    return torch.iinfo(dtype).max
+# The poison of float allocations: a NaN with a payload that no arithmetic produces (an invalid
+# operation such as inf - inf gives the hardware's default NaN), so an element that still holds
+# these bits was never written, and any other NaN was computed.
+POISON_BITS = {
+    torch.float64: (torch.int64, 0x7FF8_DEAD_DEAD_DEAD),
+    torch.float32: (torch.int32, 0x7FC0_DEAD),
+    torch.float16: (torch.int16, 0x7E5A),
+    torch.bfloat16: (torch.int16, 0x7FDA),
+}
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.dtype in POISON_BITS:
+        bits_dtype, bits = POISON_BITS[t.dtype]
+        t.view(bits_dtype).fill_(bits)
+    elif t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(math.nan)
+    else:
+        t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+
+
+def unwritten(t: torch.Tensor) -> torch.Tensor:
+    """Where a float tensor still holds the poison of `poisoned_allocations` (a bool tensor)."""
+    if t.dtype in POISON_BITS:
+        bits_dtype, bits = POISON_BITS[t.dtype]
+        return t.view(bits_dtype) == bits
+    return t.isnan()
 
 
 @contextlib.contextmanager
 def poisoned_allocations():
     """Within the block, torch.empty / empty_like / empty_strided return memory filled with NaN
-    (or the dtype's max for integers), so elements a kernel fails to write show up as wrong."""
+    (or the dtype's max for integers), so elements a kernel fails to write show up as wrong;
+    `unwritten` tells that NaN from one a kernel computed."""
     originals = {name: getattr(torch, name) for name in ("empty", "empty_like", "empty_strided")}
 
     def wrap(allocate):
         def poisoned(*args, **kwargs):
             t = allocate(*args, **kwargs)
             if t.numel():
-                t.fill_(_poison_value(t.dtype))
+                _poison(t)
             return t
 
         return poisoned

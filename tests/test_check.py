@@ -69,7 +69,17 @@ def test_poisoned_allocations_expose_unwritten_elements():
     with check.poisoned_allocations():
         f = torch.empty(8)
         i = torch.empty_like(torch.zeros(4, dtype=torch.int32))
-    assert torch.isnan(f).all()
+    assert torch.isnan(f).all() and check.unwritten(f).all()
     assert (i == torch.iinfo(torch.int32).max).all()
     assert not torch.isnan(torch.empty(8).fill_(1.0)).any()  # patch removed afterwards
     assert torch.empty is not None and torch.empty.__name__ == "empty"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_unwritten_tells_the_poison_from_a_computed_nan(dtype):
+    with check.poisoned_allocations():
+        out = torch.empty(6, dtype=dtype)
+    out[:2] = torch.tensor([float("inf"), 0.0]) * torch.tensor([0.0, float("inf")])  # NaNs
+    out[2:4] = torch.tensor([float("inf")] * 2) - torch.tensor([float("inf")] * 2)
+    assert out.isnan().all()
+    assert check.unwritten(out).tolist() == [False] * 4 + [True] * 2

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import check
 from kernels.runtime import DEVICE
 
 # Torch calls a launcher needs to check, allocate and launch, and nothing that computes.
@@ -124,7 +125,7 @@ def _tensor_problem(task: Task, case: Case, out) -> tuple | None:
     if out.dtype != dtype:
         return f"returned {out.dtype} for {dtype} input", "return a tensor of the input's dtype"
     if task.poison and out.is_floating_point():
-        unwritten = out.isnan() & ref.isfinite()
+        unwritten = check.unwritten(out) & ref.isfinite()
         if unwritten.any():
             index = tuple(int(k) for k in unwritten.nonzero()[0])
             return (

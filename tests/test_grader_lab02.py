@@ -1,0 +1,114 @@
+"""The grader against bad Lab 2 submissions: the mistakes fusion invites, each caught with a
+message that names it.
+
+Every bad submission is Lab 2's solution with one graded cell changed. They are graded in one
+batch per task (one `python -m kernels grade` each, the task's notebooks together), so the file
+stays within about a minute on two cores.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kernels.runtime import ON_GPU
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "lab02_fusion.ipynb"
+
+GELU = "y = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))"
+TANH_GELU = "y = z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))"
+BLOCK_END = "\n    ### END SOLUTION"
+END = "    return out" + BLOCK_END
+ROW_LOAD = 'x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=float("-inf"))'
+EXP = "numerator = tl.exp(x - tl.max(x, axis=0))"
+SAFE = 'safe = tl.where(m_new == float("-inf"), 0.0, m_new)'
+STREAMED_START = "    ### HINT: as in softmax: as_rows"
+NORM_LOAD = "x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)"
+
+TORCH_SOFTMAX = "    return torch.softmax(x, dim=-1)" + BLOCK_END
+NO_MINUS_INF = ROW_LOAD.replace(', other=float("-inf")', "")
+ONE_BLOCK = "    return softmax(x)\n" + STREAMED_START
+FP16_LOAD = NORM_LOAD.replace(".to(tl.float32)", "")
+
+# name -> (the task, which is also the function whose graded cell changes, [(old, new), ...])
+CASES = {
+    "tanh_gelu": ("bias_gelu", [(GELU, TANH_GELU)]),
+    "calls_softmax": ("softmax", [(END, TORCH_SOFTMAX)]),
+    "no_max": ("softmax", [(EXP, "numerator = tl.exp(x)")]),
+    "no_minus_inf": ("softmax", [(ROW_LOAD, NO_MINUS_INF)]),
+    "one_block": ("softmax_streamed", [(STREAMED_START, ONE_BLOCK)]),
+    "no_guard": ("softmax_streamed", [(SAFE, "safe = m_new")]),
+    "fp16_squares": ("rms_norm", [(NORM_LOAD, FP16_LOAD)]),
+}  # fmt: skip
+
+EXPECTED = {
+    "tanh_gelu": ["wrong values: max abs error", "float32", "seed", "Hint:", "erf"],
+    "calls_softmax": ["called torch's softmax"],
+    "no_max": ["non-finite values", "logits around 1000", "float32"],
+    "no_minus_inf": ["wrong values"],  # caught on whichever row has a small max first
+    "one_block": ["shape (1, 1048577)", "block 4096"],
+    "no_guard": ["non-finite values", "columns -inf", "block 128"],
+    "fp16_squares": ["wrong values", "float16"],
+}
+
+
+def make_submission(folder: Path, name: str, function: str, edits) -> Path:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    (target,) = [
+        c
+        for c in nb.cells
+        if "graded" in c.metadata.get("tags", []) and f"def {function}(" in c.source
+    ]
+    for old, new in edits:
+        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
+        target.source = target.source.replace(old, new, 1)
+    path = folder / f"{name}_lab02_fusion.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Every bad submission's report: one grader per task, all started at once."""
+    runs = []
+    for task in dict.fromkeys(spec[0] for spec in CASES.values()):
+        folder = tmp_path_factory.mktemp(task)
+        names = [name for name, spec in CASES.items() if spec[0] == task]
+        paths = [make_submission(folder, name, *CASES[name]) for name in names]
+        target = folder / "grades.json"
+        command = [sys.executable, "-m", "kernels", "grade", *map(str, paths), "--task", task]
+        process = subprocess.Popen(
+            [*command, "--json", str(target), "--jobs", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        runs.append((process, target))
+    found = {}
+    for process, target in runs:
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 1, output
+        for report in json.loads(target.read_text()):
+            found[Path(report["path"]).name.split("_lab02")[0]] = report
+    assert set(found) == set(CASES)
+    return found
+
+
+# Compiled Triton words an oversized block differently (a compile error, not the interpreter's)
+EXPECTED_ON_GPU = {"one_block": ["shape (1, 1048577)"]}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_mistake_fails_its_task_with_its_own_message(reports, name):
+    task_name = CASES[name][0]
+    (found,) = [t for t in reports[name]["tasks"] if t["name"] == task_name]
+    assert found["status"] == "failed" and found["points"] == 0, found
+    expected = EXPECTED_ON_GPU.get(name, EXPECTED[name]) if ON_GPU else EXPECTED[name]
+    for fragment in expected:
+        assert fragment in found["message"], (fragment, found["message"])
+    assert reports[name]["score"] == 0 and "grader error" not in found["message"]
