@@ -87,7 +87,8 @@ def test_empty_dims(activation):
         assert matmul(a[:0], b, bias, activation).shape == (0, 6)
         assert matmul(a, b[:, :0], None, activation).shape == (5, 0)
         out = matmul(a[:, :0], b[:0], bias, activation)  # K == 0: an empty sum is 0
-    expected = matmul_ref(torch.zeros(5, 1).double(), torch.zeros(1, 6).double(), bias, activation)
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=DEVICE)
+    expected = matmul_ref(zeros(5, 1), zeros(1, 6), bias, activation)
     check.assert_close(out, expected, op="matmul")
 
 
