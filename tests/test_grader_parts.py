@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.grader import cells, runner, starters, static
-from kernels.grader.child import Observer, op_name
+from kernels.grader.child import Observer, learners, op_name
 from kernels.grader.tasks import Case, Task, evaluate
 
 
@@ -269,6 +269,14 @@ def test_the_op_log_names_the_ops_a_task_forbids():
         _ = x.shape
     assert {"matmul", "softmax", "scaled_dot_product_attention", "shape"} <= observer.ops
     assert op_name(torch.Tensor.add) == "add"
+
+
+def test_only_kernels_defined_in_the_graded_cells_are_the_learners():
+    from kernels.matmul import matmul_kernel
+
+    graded = {"__name__": "submission"}  # the child imports the graded cells under this name
+    exec("import triton\n@triton.jit\ndef kernel(x_ptr):\n    pass", graded)
+    assert learners(graded["kernel"]) and not learners(matmul_kernel)
 
 
 def test_solution_blocks_become_stubs_with_their_hints():

@@ -38,10 +38,16 @@ class Case:
     expected: object = None  # the reference, computed by the grader; never sent to the child
     dtype: torch.dtype | None = None  # the output's expected dtype
     kwargs: dict = field(default_factory=dict)
-    action: str = "call"  # or "time": the child times the call against a copy of args[0]
+    action: str = "call"  # or "time": the child times the call, and torch's `timed_against`
+    timed_against: str = "copy"  # torch's op timed beside it: "copy" (of args[0]) or "matmul"
 
     def for_child(self) -> dict:
-        return {"args": list(self.args), "kwargs": self.kwargs, "action": self.action}
+        return {
+            "args": list(self.args),
+            "kwargs": self.kwargs,
+            "action": self.action,
+            "timed_against": self.timed_against,
+        }
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,8 @@ def _case_problem(task: Task, cases, reports, outputs, i) -> tuple | None:
         return cached
     if task.kernel and not got.get("launches"):
         return (
-            "launched no Triton kernel: this task asks for one",
+            "launched no Triton kernel of your own: this task asks for one (the course's "
+            "kernels do not count)",
             "launch your @triton.jit kernel from the function: kernel[grid](...)",
         )
     if task.launcher_ops is not None and ops - task.launcher_ops:

@@ -1,0 +1,266 @@
+"""Lab 3, a Triton matmul: its tasks, the cases the grader draws, and the references.
+
+The references live here, not in the notebook: the napkin math from its formulas, the grouped
+program order built tile by tile, every product in fp64 (`kernels.matmul.matmul_ref`) with
+torch's own same-dtype product beside it for the rule "at most twice torch's error".
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import check
+from kernels.grader.lab01 import _log_uniform, _numbers
+from kernels.grader.tasks import LAUNCHER_OPS, Case, Task
+from kernels.matmul import matmul_ref
+
+NAME = "lab03_matmul"
+# The op the kernel tasks ask for, under the names torch gives it (`@` is "matmul")...
+MATMUL_OPS = frozenset(
+    {"matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "linear", "tensordot",
+     "dot", "mv", "inner", "chain_matmul"}
+)  # fmt: skip
+# ...and the names that reach it from the graded cells: torch.matmul, kernels.matmul, F.linear.
+MATMUL_NAMES = frozenset({"matmul", "mm", "bmm", "addmm", "einsum", "linear"})
+SPEED_N = 4096  # the timed problem: bf16 SPEED_N^3
+MIN_CUBLAS_FRACTION = 0.5
+
+
+def napkin_ref(m, n, k, bytes_per_element, peak_tflops, bandwidth_gbps):
+    """(flops, min_bytes, intensity, regime) of a (m, k) @ (k, n) product on these ceilings."""
+    flops = 2 * m * n * k
+    min_bytes = (m * k + k * n + m * n) * bytes_per_element  # read a and b once, write c once
+    intensity = flops / min_bytes
+    ridge = peak_tflops * 1e12 / (bandwidth_gbps * 1e9)  # FLOP per byte where the roofs meet
+    return flops, min_bytes, intensity, "compute-bound" if intensity >= ridge else "memory-bound"
+
+
+def tile_order_ref(tiles_m: int, tiles_n: int, group_m: int) -> torch.Tensor:
+    """(tiles_m * tiles_n, 2) int32: row p is the tile (pid_m, pid_n) program p computes. Bands
+    of group_m rows of tiles (the last may be shorter), each walked column by column."""
+    order = []
+    for first_m in range(0, tiles_m, group_m):
+        band = range(first_m, min(first_m + group_m, tiles_m))
+        order += [(pid_m, pid_n) for pid_n in range(tiles_n) for pid_m in band]
+    return torch.tensor(order, dtype=torch.int32)
+
+
+@dataclass
+class MatmulCase(Case):
+    baseline: torch.Tensor | None = None  # torch's own result in the inputs' dtype
+
+
+def _napkin_cases(rng):
+    cases = []
+    while len(cases) < 12:
+        m, n, k = (round(_log_uniform(rng, 1, 16384)) for _ in range(3))
+        width = rng.choice((1, 2, 4))
+        peak, bandwidth = _log_uniform(rng, 1.0, 2000.0), _log_uniform(rng, 50.0, 8000.0)
+        args = (m, n, k, width, peak, bandwidth)
+        flops, min_bytes, intensity, regime = napkin_ref(*args)
+        balance = intensity / (peak * 1e3 / bandwidth)
+        if 0.8 < balance < 1.25 or (regime == "compute-bound") != (len(cases) % 2 == 0):
+            continue  # too close to the ridge to call, or not the regime this case's turn wants
+        label = f"matmul_napkin({m}, {n}, {k}, {width}, {peak:.6g}, {bandwidth:.6g})"
+        cases.append(Case(args, label=label, expected=[flops, min_bytes, intensity, regime]))
+    return cases
+
+
+# (tiles_m, tiles_n, group_m): chapter 3's 6 x 8 example first, then bands that do not divide
+# the rows, a band taller than the grid, one row or one column of tiles, and row-major order.
+TILE_GRIDS = (
+    (6, 8, 3),
+    (7, 5, 2),
+    (13, 11, 4),
+    (5, 7, 8),
+    (1, 9, 4),
+    (9, 1, 4),
+    (8, 12, 1),
+    (1, 1, 1),
+)
+
+
+def _tile_order_cases(rng):
+    grids = list(TILE_GRIDS)
+    grids += [(rng.randint(2, 16), rng.randint(2, 16), rng.randint(2, 8)) for _ in range(3)]
+    return [
+        Case(grid, label="tile_order({}, {}, {})".format(*grid), expected=tile_order_ref(*grid),
+             dtype=torch.int32)
+        for grid in grids
+    ]  # fmt: skip
+
+
+def _check_tile_order(case: Case, out) -> str | None:
+    wrong = (out != case.expected).any(dim=1).nonzero()
+    if len(wrong) == 0:
+        return None
+    p = int(wrong[0])
+    got, want = tuple(out[p].tolist()), tuple(case.expected[p].tolist())
+    return f"program {p} computed tile {got}, expected {want} (pid_m, pid_n)"
+
+
+def _matmul_case(rng, m, n, k, dtype, bias=False, relu=False, transposed=False):
+    """Inputs of magnitude about 1 whatever k; centred (half the outputs negative) for ReLU."""
+    seed, scale, centred = rng.randrange(2**31), k**-0.25, bias or relu
+
+    def draw(shape, offset, scale=scale):
+        x = check.random_tensor(shape, torch.float32, seed=seed + offset, device="cpu", scale=scale)
+        return (x - 0.5 * scale if centred else x).to(dtype)
+
+    a = draw((k, m), 0).t() if transposed else draw((m, k), 0)
+    b = draw((n, k), 1).t() if transposed else draw((k, n), 1)
+    kwargs = {"bias": draw((n,), 2, scale=1.0)} if bias else {}
+    if relu:
+        kwargs["relu"] = True
+    epilogue = "".join((" + bias" if bias else "", ", then ReLU" if relu else ""))
+    layout = " (both non-contiguous: transposed views)" if transposed else ""
+    label = (
+        f"a ({m}, {k}) @ b ({k}, {n}){epilogue}{layout}, "
+        f"{str(dtype).removeprefix('torch.')}, seed {seed}"
+    )
+    expected = matmul_ref(
+        a.double(), b.double(), kwargs["bias"].double() if bias else None, "relu" if relu else None
+    )
+    baseline = None
+    if dtype != torch.float32:  # fp32 must be IEEE: its tolerance, not torch's error, applies
+        baseline = a @ b + kwargs["bias"] if bias else a @ b
+        baseline = torch.relu(baseline) if relu else baseline
+    return MatmulCase(
+        (a, b), label=label, expected=expected, dtype=dtype, kwargs=kwargs, baseline=baseline
+    )
+
+
+DTYPES = (torch.float32, torch.float16)
+# (M, N, K): 1s, small odd sizes, block boundaries +-1 for blocks of 16, 32 and 64, K = 1.
+MATMUL_SHAPES = (
+    (1, 1, 1), (3, 5, 7), (1, 96, 65), (96, 1, 33), (17, 40, 1), (33, 31, 97), (64, 64, 64),
+    (95, 97, 63),
+)  # fmt: skip
+BIAS_SHAPES = ((1, 1, 1), (3, 5, 7), (1, 96, 65), (33, 31, 97), (95, 97, 63))
+
+
+def _tiled_matmul_cases(rng):
+    cases = []
+    for dtype in DTYPES:
+        cases += [_matmul_case(rng, *shape, dtype) for shape in MATMUL_SHAPES]
+        # the same shape again with new data: a result cached across calls shows
+        cases.append(_matmul_case(rng, *MATMUL_SHAPES[-1], dtype))
+        cases.append(_matmul_case(rng, 65, 47, 33, dtype, transposed=True))
+    return cases
+
+
+def _bias_relu_cases(rng):
+    cases = []
+    for dtype in DTYPES:
+        cases += [_matmul_case(rng, *shape, dtype, bias=True, relu=True) for shape in BIAS_SHAPES]
+        cases.append(_matmul_case(rng, 33, 65, 17, dtype, bias=True))
+        cases.append(_matmul_case(rng, 47, 33, 9, dtype, relu=True))
+        cases.append(_matmul_case(rng, 65, 47, 33, dtype, bias=True, relu=True, transposed=True))
+    return cases
+
+
+def _gpu_cases(rng):
+    bf16 = torch.bfloat16
+    cases = [
+        _matmul_case(rng, *shape, bf16)
+        for shape in ((1, 1, 1), (1000, 1003, 517), (1, 2048, 2048), (257, 129, 4097))
+    ]
+    cases.append(_matmul_case(rng, 1000, 1003, 517, bf16, bias=True, relu=True))
+    cases.append(_matmul_case(rng, 129, 257, 1025, bf16, bias=True, relu=True, transposed=True))
+    operands = [
+        {"random": (SPEED_N, SPEED_N), "dtype": bf16, "seed": rng.randrange(2**31)}
+        for _ in range(2)
+    ]
+    label = f"bfloat16 {SPEED_N}^3, timed against torch.matmul (cuBLAS)"
+    cases.append(MatmulCase(tuple(operands), label=label, action="time", timed_against="matmul"))
+    return cases
+
+
+def _check_speed(out) -> str | None:
+    if not isinstance(out, dict) or not out.get("ms", 0) > 0 or not out.get("matmul_ms", 0) > 0:
+        return "no timing came back"
+    fraction = out["matmul_ms"] / out["ms"]
+    if fraction < MIN_CUBLAS_FRACTION:
+        tflops = 2 * SPEED_N**3 / (out["ms"] * 1e9)
+        return (
+            f"took {out['ms']:.3f} ms ({tflops:.0f} TFLOP/s), {fraction:.2f}x the speed of cuBLAS "
+            f"({out['matmul_ms']:.3f} ms); {MIN_CUBLAS_FRACTION}x earns the points"
+        )
+    return None
+
+
+def _check_matmul(case: Case, out) -> str | None:
+    if case.action == "time":
+        return _check_speed(out)
+    result = check.compare(
+        out, case.expected, op="matmul", dtype=case.dtype, baseline=case.baseline
+    )
+    return None if result.ok else f"wrong values: {result.message}"
+
+
+def _kernel_task(**fields) -> Task:
+    return Task(
+        function="tiled_matmul",
+        check=_check_matmul,
+        kernel=True,
+        launcher_ops=LAUNCHER_OPS,
+        forbidden_ops=MATMUL_OPS,
+        forbidden_names=MATMUL_NAMES,
+        poison=True,
+        time_limit=180.0,  # on a GPU, each new specialisation of the kernel compiles first
+        **fields,
+    )
+
+
+TASKS = [
+    Task(
+        name="matmul_napkin",
+        function="matmul_napkin",
+        points=2,
+        summary="FLOPs, minimum bytes, intensity and regime of random matmuls on random ceilings",
+        hint="2mnk FLOPs; a, b and c each moved once; compute-bound when the intensity reaches "
+        "peak / bandwidth",
+        cases=_napkin_cases,
+        check=lambda case, out: _numbers(case, out, ("flops", "min_bytes", "intensity", "regime")),
+    ),
+    Task(
+        name="grouped_order",
+        function="tile_order",
+        points=2,
+        summary="your grouped_tile, launched once per tile, against the grouped order on "
+        "random grids",
+        hint="bands of GROUP_M rows of tiles, each walked down a column before the next column; "
+        "the last band may be shorter",
+        cases=_tile_order_cases,
+        check=_check_tile_order,
+        kernel=True,
+        launcher_ops=LAUNCHER_OPS,
+        poison=True,
+    ),
+    _kernel_task(
+        name="tiled_matmul",
+        points=4,
+        summary="a tiled Triton matmul: odd shapes, K = 1, transposed inputs, fp32 and fp16",
+        hint="accumulate in fp32, mask the loads along K and the store along M and N; fp32 "
+        'needs tl.dot(..., input_precision="ieee")',
+        cases=_tiled_matmul_cases,
+    ),
+    _kernel_task(
+        name="bias_relu",
+        points=2,
+        summary="the fused epilogue: relu(a @ b + bias) on odd shapes, fp32 and fp16",
+        hint="add bias[cols] to every row of the fp32 tile, then tl.maximum(acc, 0.0), before "
+        "the one store",
+        cases=_bias_relu_cases,
+    ),
+    _kernel_task(
+        name="tiled_matmul_gpu",
+        points=2,
+        summary=f"on a GPU: bf16 values, and at least {MIN_CUBLAS_FRACTION}x cuBLAS's speed at "
+        f"{SPEED_N}^3",
+        hint="large tiles (128 x 128 or more), num_stages of 3 or 4, num_warps 8",
+        cases=_gpu_cases,
+        needs_gpu=True,
+        exclusive=True,
+    ),
+]

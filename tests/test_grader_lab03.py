@@ -1,0 +1,148 @@
+"""The grader against bad submissions of Lab 3, the matmul: each fails the task it breaks, with
+a message that says why, and leaves the others alone.
+
+Every bad submission is Lab 3's solution with a few lines changed. They are graded in two
+batches (one `python -m kernels grade` each, restricted to the tasks they break), with a short
+time limit, so the file stays within about a minute on two cores.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kernels.runtime import ON_GPU
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "lab03_matmul.ipynb"
+TIME_LIMIT = "120" if ON_GPU else "30"  # the GPU compiles each new specialisation first
+
+RETURN = "    return c\n    ### END SOLUTION"
+LAUNCH = "tiled_matmul_kernel[grid]("
+LOOP = "for k0 in range(0, K, BLOCK_K):"
+LOAD_A = "a = tl.load(a_ptrs, mask=ks[None, :] < K - k0, other=0.0)"
+LOAD_B = "b = tl.load(b_ptrs, mask=ks[:, None] < K - k0, other=0.0)"
+STORE_MASK = "mask=(rows[:, None] < M) & (cols[None, :] < N)"
+BIAS = "acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]"
+BIAS_BY_ROWS = "acc += tl.load(bias_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]"
+IMPORTS = "from kernels.runtime import DEVICE, ON_GPU"
+GROUPED = "return first_m + in_band % band_height, in_band // band_height"
+
+# name -> [(the graded cell to change: a function it defines, or "import"), old, new), ...]
+KERNEL_CASES = {
+    "uses_at": [("tiled_matmul", RETURN, "    return a @ b\n    ### END SOLUTION")],
+    # written for K a multiple of BLOCK_K: no masks, and the last partial block never loaded
+    "no_k_mask": [
+        ("tiled_matmul", LOOP, "for k0 in range(0, K // BLOCK_K * BLOCK_K, BLOCK_K):"),
+        ("tiled_matmul", LOAD_A, "a = tl.load(a_ptrs)"),
+        ("tiled_matmul", LOAD_B, "b = tl.load(b_ptrs)"),
+    ],
+    "empty_output": [
+        ("tiled_matmul", RETURN, "    return torch.empty_like(c)\n    ### END SOLUTION")
+    ],
+    "store_off_by_one": [("tiled_matmul", STORE_MASK, STORE_MASK.replace("< M", "< M - 1"))],
+    # the course's own kernel, launched from the graded cells
+    "course_kernel": [
+        ("import", IMPORTS, IMPORTS + "\nfrom kernels.matmul import matmul_kernel"),
+        ("tiled_matmul", LAUNCH, "matmul_kernel[grid]("),
+        ("tiled_matmul", "RELU=relu", 'ACTIVATION="relu" if relu else "none"'),
+    ],
+    "calls_kernels_matmul": [
+        ("tiled_matmul", RETURN, "    return kernels.matmul.matmul(a, b)\n    ### END SOLUTION")
+    ],
+}
+EPILOGUE_CASES = {
+    "bias_by_rows": [("tiled_matmul", BIAS, BIAS_BY_ROWS)],
+    "epilogue_stub": [("tiled_matmul", BIAS, "raise NotImplementedError('add the bias')")],
+    "row_major_order": [("grouped_tile", GROUPED, "return pid // tiles_n, pid % tiles_n")],
+}  # fmt: skip
+
+
+def make_submission(folder: Path, name: str, edits) -> Path:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    graded = [c for c in nb.cells if "graded" in c.metadata.get("tags", [])]
+    for cell, old, new in edits:
+        marker = IMPORTS if cell == "import" else f"def {cell}("
+        (target,) = [c for c in graded if marker in c.source]
+        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
+        target.source = target.source.replace(old, new, 1)
+    path = folder / f"{name}_lab03_matmul.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def batch(tmp_path_factory, cases, *tasks):
+    folder = tmp_path_factory.mktemp("submissions")
+    paths = [make_submission(folder, name, edits) for name, edits in cases.items()]
+    target = folder / "grades.json"
+    options = ["--json", str(target), "--time-limit", TIME_LIMIT, "--jobs", "3"]
+    for task in tasks:
+        options += ["--task", task]
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels", "grade", *map(str, paths), *options],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    reports = json.loads(target.read_text())
+    by_name = {Path(r["path"]).name.split("_lab03")[0]: r for r in reports}
+    assert set(by_name) == set(cases)
+    return {name: {t["name"]: t for t in r["tasks"]} for name, r in by_name.items()}
+
+
+@pytest.fixture(scope="module")
+def kernel_batch(tmp_path_factory):
+    return batch(tmp_path_factory, KERNEL_CASES, "tiled_matmul")
+
+
+@pytest.fixture(scope="module")
+def epilogue_batch(tmp_path_factory):
+    return batch(tmp_path_factory, EPILOGUE_CASES, "bias_relu", "grouped_order")
+
+
+KERNEL_EXPECTED = {
+    "uses_at": ["called torch's matmul, the op this task asks you to write"],
+    "no_k_mask": ["wrong values", "a (1, 1) @ b (1, 1), float32, seed"],
+    "empty_output": ["returned a tensor that was not given to any kernel launch"],
+    "store_off_by_one": ["never written", "NaN", "a (1, 1) @ b (1, 1), float32"],
+    "course_kernel": ["launched no Triton kernel of your own"],
+    "calls_kernels_matmul": ["uses matmul at cell", "asks you to write yourself"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_CASES))
+def test_each_broken_matmul_fails_with_its_own_message(kernel_batch, name):
+    found = kernel_batch[name]["tiled_matmul"]
+    assert found["status"] == "failed" and found["points"] == 0, found
+    for fragment in KERNEL_EXPECTED[name]:
+        assert fragment in found["message"], (fragment, found["message"])
+    assert "grader error" not in found["message"]
+
+
+def test_a_bias_on_the_wrong_axis_fails_the_epilogue_only(epilogue_batch):
+    found = epilogue_batch["bias_by_rows"]
+    assert found["bias_relu"]["status"] == "failed", found
+    assert "wrong values" in found["bias_relu"]["message"]
+    assert "a (3, 7) @ b (7, 5) + bias, then ReLU, float32" in found["bias_relu"]["message"]
+    assert found["grouped_order"]["status"] == "passed", found
+
+
+def test_an_unwritten_epilogue_is_not_implemented_yet(epilogue_batch):
+    found = epilogue_batch["epilogue_stub"]["bias_relu"]
+    assert found["status"] == "failed" and found["points"] == 0, found
+    if not ON_GPU:  # compiled Triton refuses a kernel that raises, with its own message
+        assert found["message"].startswith("not implemented yet: add the bias"), found
+
+
+def test_row_major_order_fails_the_grouped_order_and_nothing_else(epilogue_batch):
+    found = epilogue_batch["row_major_order"]
+    message = found["grouped_order"]["message"]
+    assert found["grouped_order"]["status"] == "failed", found
+    assert "program 1 computed tile (0, 1), expected (1, 0)" in message, message
+    assert "tile_order(6, 8, 3)" in message
+    assert found["bias_relu"]["status"] == "passed", found  # any order computes the same c
