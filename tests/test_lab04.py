@@ -1,0 +1,112 @@
+"""Lab 4's own defences: bad submissions that compute attention with torch, launch no kernel,
+or align the causal mask to the top-left, each fail with their own message.
+
+Every bad submission is Lab 4's solution with one graded cell changed, graded in two batches
+with a short time limit, only the tasks each one is about.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kernels.runtime import ON_GPU
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "lab04_attention.ipynb"
+TIME_LIMIT = "60" if ON_GPU else "30"
+
+RETURN = "    return o\n    ### END SOLUTION"
+GRID = "grid = (triton.cdiv(Sq, BLOCK_M), H, B)"
+SDPA = "torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)"
+SCORES = "scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(D)  # (B, H, Sq, Sk)"
+
+# name -> (the graded cell to change, by a function it defines, [(old, new), ...])
+KERNEL_CASES = {
+    "sdpa": ("attention", [(RETURN, f"    return {SDPA}\n    ### END SOLUTION")]),
+    "torch_scores": ("attention", [(GRID, f"{SCORES}\n    {GRID}")]),
+    "no_kernel": ("attention", [("attention_kernel[grid](", "(lambda *args, **kwargs: None)(")]),
+}
+MASK_CASES = {
+    "top_left_causal": ("attention", [("shift = SEQ_K - SEQ_Q", "shift = 0")]),
+    "no_rescale": ("online_softmax_update", [("acc * alpha[:, None] + p", "acc + p")]),
+}
+
+
+def make_submission(folder: Path, name: str, function: str, edits) -> Path:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    (target,) = [
+        c
+        for c in nb.cells
+        if "graded" in c.metadata.get("tags", []) and f"def {function}(" in c.source
+    ]
+    for old, new in edits:
+        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
+        target.source = target.source.replace(old, new, 1)
+    path = folder / f"{name}_lab04_attention.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def batch(tmp_path_factory, cases, *tasks):
+    folder = tmp_path_factory.mktemp("submissions")
+    paths = [make_submission(folder, name, *spec) for name, spec in cases.items()]
+    target = folder / "grades.json"
+    options = ["--json", target, "--time-limit", TIME_LIMIT, "--jobs", "3"]
+    for task in tasks:
+        options += ["--task", task]
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels", "grade", *paths, *options],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    reports = json.loads(target.read_text())
+    found = {Path(r["path"]).name.split("_lab04")[0]: r for r in reports}
+    assert set(found) == set(cases)
+    return {name: {t["name"]: t for t in r["tasks"]} for name, r in found.items()}
+
+
+@pytest.fixture(scope="module")
+def kernel_batch(tmp_path_factory):
+    return batch(tmp_path_factory, KERNEL_CASES, "attention")
+
+
+@pytest.fixture(scope="module")
+def mask_batch(tmp_path_factory):
+    return batch(tmp_path_factory, MASK_CASES, "attention_causal", "online_softmax_update")
+
+
+@pytest.mark.parametrize(
+    "name, fragments",
+    [
+        ("sdpa", ["called torch's scaled_dot_product_attention", "the op this task asks"]),
+        ("torch_scores", ["called torch's matmul", "q (1, 1, 1, 16)", "float32"]),
+        ("no_kernel", ["launched no Triton kernel"]),
+    ],
+)
+def test_attention_computed_outside_a_kernel_earns_nothing(kernel_batch, name, fragments):
+    found = kernel_batch[name]["attention"]
+    assert found["status"] == "failed" and found["points"] == 0, found
+    for fragment in fragments:
+        assert fragment in found["message"], (fragment, found["message"])
+
+
+def test_a_causal_mask_aligned_to_the_top_left_fails_when_sq_is_below_sk(mask_batch):
+    found = mask_batch["top_left_causal"]["attention_causal"]
+    assert found["status"] == "failed" and found["points"] == 0, found
+    for fragment in ("wrong values", "q (1, 2, 5, 32), k and v (1, 2, 33, 32)", "causal=True"):
+        assert fragment in found["message"], (fragment, found["message"])
+    assert "j <= i + Sk - Sq" in found["message"]
+    assert mask_batch["top_left_causal"]["online_softmax_update"]["status"] == "passed"
+
+
+def test_an_update_that_does_not_rescale_the_accumulator_fails(mask_batch):
+    found = mask_batch["no_rescale"]["online_softmax_update"]
+    assert found["status"] == "failed" and "wrong acc_new" in found["message"], found
+    assert mask_batch["no_rescale"]["attention_causal"]["status"] == "passed"
