@@ -149,7 +149,7 @@ def test_progress_shows_every_lab_and_what_remains(tmp_path):
     out = kernels_cli("progress", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     for solution in SOLUTIONS:
-        assert f"{solution.stem}  [" in out.stdout
+        assert re.search(rf"^{solution.stem} +\[", out.stdout, re.MULTILINE), out.stdout
         for task in LABS[solution.stem]:
             assert f"{task.name} (" in out.stdout
 
