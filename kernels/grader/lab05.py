@@ -1,0 +1,292 @@
+"""Lab 5, batch invariance: its tasks, the cases the grader draws, and the references.
+
+Invariance is checked the way Chapter 5's harness checks it, in the grader's process: the
+child returns f(X) and f(X[:B]) for several B, and the grader compares them bit for bit
+(`kernels.invariance`), beside the values against a float64 reference (`kernels.check`).
+The first task's ops are built in the child from a description (`variant_op`): the grader
+builds the same op from the same description and finds the answer itself.
+"""
+
+import bisect
+
+import torch
+
+from kernels import check
+from kernels.grader.tasks import LAUNCHER_OPS, Case, Task
+from kernels.invariance import InvarianceReport
+
+NAME = "lab05_batch_invariance"
+OP_K, OP_N = 32, 8  # the hidden ops' weight: x (B, OP_K) @ w (OP_K, OP_N)
+# The course's own invariant kernels and harness: the lab asks you to write them.
+COURSE_NAMES = frozenset(
+    {"batch_invariant", "invariant_rows", "invariant_matmul", "invariant_attention", "norm",
+     "batch_variant", "first_row_drift", "check_batch_invariance", "first_bad_batch"}
+)  # fmt: skip
+
+
+# Task 1: the batch size where an op changes strategy
+
+
+def _split_k(x: torch.Tensor, w: torch.Tensor, pieces: int) -> torch.Tensor:
+    """x @ w with K cut into `pieces` parts, each summed in order, then the parts in order.
+    Elementwise torch ops only: every result is one IEEE rounding per step, on any device."""
+    k = w.shape[0]
+    bounds = [k * i // pieces for i in range(pieces + 1)]
+    total = None
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        part = x[:, lo : lo + 1] * w[lo]
+        for j in range(lo + 1, hi):
+            part = part + x[:, j : j + 1] * w[j]
+        total = part if total is None else total + part
+    return total
+
+
+def variant_op(seed: int, switches: list, splits: list):
+    """A split-K-style matmul x (B, OP_K) @ w -> (B, OP_N) that picks its split from the
+    batch size, as libraries do: splits[i] pieces while B < switches[i], then splits[-1]."""
+    w = check.random_tensor((OP_K, OP_N), torch.float32, seed=seed, device="cpu")
+
+    def op(x: torch.Tensor) -> torch.Tensor:
+        pieces = splits[bisect.bisect_right(switches, x.shape[0])]
+        return _split_k(x, w.to(x.device), pieces)
+
+    return op
+
+
+def first_variant_batch_ref(op, x: torch.Tensor):
+    """The smallest B for which row 0 of op(x[:B]) is not bitwise op(x[:1])[0]; None if none."""
+    alone = op(x[:1])[0]
+    for b in range(2, x.shape[0] + 1):
+        if not torch.equal(op(x[:b])[0], alone):
+            return b
+    return None
+
+
+# (switches, splits): a library's ladder of strategies, and ladders whose answer is not the
+# first switch (a change that keeps row 0's bits) or is no switch at all
+LADDERS = (
+    ([17], [4, 1]),
+    ([2], [2, 1]),
+    ([9, 33], [8, 4, 1]),
+    ([5, 40], [4, 4, 1]),
+    ([24, 60], [1, 2, 1]),
+    ([], [2]),
+    ([500], [4, 1]),
+    ([3, 7, 100], [16, 8, 2, 1]),
+)
+
+
+def _first_variant_cases(rng):
+    cases = []
+    for switches, splits in LADDERS:
+        seed, bmax = rng.randrange(2**31), rng.randint(64, 160)
+        shift = rng.randint(0, 9) if switches and switches[0] > 2 else 0
+        switches = [s + shift for s in switches]
+        x = check.random_tensor((bmax, OP_K), torch.float32, seed=seed + 1, device="cpu")
+        spec = {"builder": "kernels.grader.lab05:variant_op",
+                "kwargs": {"seed": seed, "switches": switches, "splits": splits}}  # fmt: skip
+        expected = first_variant_batch_ref(variant_op(seed, switches, splits), x)
+        label = f"a hidden op on x of shape {tuple(x.shape)}, seed {seed}"
+        cases.append(Case((spec, x), label=label, expected=[expected]))
+    return cases
+
+
+def _check_first_variant(case: Case, out) -> str | None:
+    (want,) = case.expected
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if out != want or isinstance(out, bool):
+        return f"returned {out!r:.40}, expected {want!r}"
+    return None
+
+
+# Tasks 2 and 3: a function checked for values and for bitwise invariance in B
+
+
+class PrefixCase(Case):
+    """One call in a group: the group's first case is the full batch X; each later one is X[:B],
+    whose output must equal the first one's [:B] bit for bit."""
+
+    def __init__(self, *args, group: dict, batch: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group, self.batch = group, batch
+
+
+def _prefix_group(x, rest, label, expected_fn, dtype, sizes):
+    group, cases = {}, []
+    cases.append(PrefixCase((x, *rest), label=f"{label}, full batch of {x.shape[0]}",
+                            expected=expected_fn(x), dtype=dtype, group=group))  # fmt: skip
+    for b in sizes:
+        cases.append(PrefixCase((x[:b], *rest), label=f"{label}, first {b} rows",
+                                expected=expected_fn(x[:b]), dtype=dtype, group=group,
+                                batch=b))  # fmt: skip
+    return cases
+
+
+def _prefix_sizes(bmax, rng, extra=()):
+    sizes = {1, 2, 3, bmax - 1, rng.randint(4, bmax - 2), *extra}
+    return sorted(b for b in sizes if 1 <= b < bmax)
+
+
+def _values_and_bits(op_class):
+    def check_case(case: PrefixCase, out) -> str | None:
+        result = check.compare(out, case.expected, op=op_class, dtype=case.dtype)
+        if not result.ok:
+            return f"wrong values: {result.message}"
+        if case.batch is None:
+            case.group["full"] = out
+            return None
+        full = case.group["full"][: case.batch]
+        report = InvarianceReport()
+        report.compare(f"B={case.batch}", out, full)
+        if not report.ok:
+            return (
+                f"not batch-invariant: f(X[:{case.batch}]) differs from f(X)[:{case.batch}] "
+                f"(max |diff| {report.max_abs_diff:.3g}, {report.max_ulp} ULP)"
+            )
+        return None
+
+    return check_case
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def rms_norm_ref(x, weight, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+RMS_COLS = (1, 3, 127, 129, 1000, 4097)
+
+
+def _rms_norm_cases(rng, dtypes=(torch.float32, torch.float16), cols=RMS_COLS, bmax=(20, 40)):
+    cases, eps = [], 1e-6
+    for dtype in dtypes:
+        for n in cols:
+            seed, rows = rng.randrange(2**31), rng.randint(*bmax)
+            scale = rng.choice((1.0, 10.0))
+            x = check.random_tensor((rows, n), dtype, seed=seed, device="cpu", scale=scale)
+            w = check.random_tensor((n,), dtype, seed=seed + 1, device="cpu")
+            label = f"x ({rows}, {n}), {_dtype_name(dtype)}, seed {seed}"
+            ref = lambda x, w=w: rms_norm_ref(x, w, eps)
+            cases += _prefix_group(x, (w, eps), label, ref, dtype, _prefix_sizes(rows, rng))
+    seed = rng.randrange(2**31)  # a non-contiguous view: the transpose of a (129, 33) tensor
+    x = check.random_tensor((129, 33), torch.float32, seed=seed, device="cpu").t()
+    w = check.random_tensor((129,), torch.float32, seed=seed + 1, device="cpu")
+    label = f"x (33, 129) non-contiguous, float32, seed {seed}"
+    ref = lambda x, w=w: rms_norm_ref(x, w, eps)
+    return cases + _prefix_group(x, (w, eps), label, ref, torch.float32, _prefix_sizes(33, rng))
+
+
+def matmul_ref(a, b):
+    return a.double() @ b.double()
+
+
+MATMUL_SHAPES = ((67, 129, 33), (40, 64, 65))  # (M, K, N), M the largest batch
+
+
+def _matmul_cases(rng, dtypes=(torch.float32, torch.float16), shapes=MATMUL_SHAPES, extra=()):
+    cases = []
+    for dtype in dtypes:
+        for rows, k, n in shapes:
+            seed = rng.randrange(2**31)
+            a = check.random_tensor((rows, k), dtype, seed=seed, device="cpu")
+            b = check.random_tensor((k, n), dtype, seed=seed + 1, device="cpu")
+            label = f"a ({rows}, {k}) @ b ({k}, {n}), {_dtype_name(dtype)}, seed {seed}"
+            sizes = _prefix_sizes(rows, rng, (16, 17, 31, 32, 33, 64, 65, *extra))
+            cases += _prefix_group(a, (b,), label, lambda a, b=b: matmul_ref(a, b), dtype, sizes)
+    return cases
+
+
+def _matmul_gpu_cases(rng):
+    shapes = ((300, 1024, 512), (129, 4096, 256))
+    extra = (8, 63, 127, 128, 129, 131, 132, 133, 255, 256, 257)
+    return _matmul_cases(rng, (torch.bfloat16, torch.float16), shapes, extra)
+
+
+# Task 4: fixed-size split-KV
+
+
+def kv_splits_ref(kv_len: int, split_size: int) -> list:
+    return [[lo, min(lo + split_size, kv_len)] for lo in range(0, kv_len, split_size)]
+
+
+def _kv_splits_cases(rng):
+    pairs = [(1000, 256), (1, 256), (256, 256), (257, 256), (255, 256), (0, 64), (4096, 256)]
+    while len(pairs) < 16:
+        size = rng.choice((16, 64, 128, 256))
+        pairs.append((rng.randint(1, 40 * size), size))
+    label = "kv_splits({}, {})"
+    return [Case(p, label=label.format(*p), expected=kv_splits_ref(*p)) for p in pairs]
+
+
+def _check_kv_splits(case: Case, out) -> str | None:
+    if isinstance(out, (list, tuple)) and all(isinstance(s, (list, tuple)) for s in out):
+        got = [list(s) for s in out]
+        if got == case.expected:
+            return None
+    shown = case.expected if len(case.expected) <= 5 else [*case.expected[:4], "..."]
+    return f"returned {out!r:.60}, expected {shown}"
+
+
+KERNEL_TASK = dict(kernel=True, launcher_ops=LAUNCHER_OPS, poison=True,
+                   forbidden_names=COURSE_NAMES)  # fmt: skip
+
+TASKS = [
+    Task(
+        name="first_variant_batch",
+        function="first_variant_batch",
+        points=2,
+        summary="the first batch size where hidden split-K-style ops change row 0's bits",
+        hint="compare op(x[:B])[0] with op(x[:1])[0] with torch.equal for B = 2, 3, ...",
+        cases=_first_variant_cases,
+        check=_check_first_variant,
+        forbidden_names=COURSE_NAMES,
+    ),
+    Task(
+        name="invariant_rms_norm",
+        function="invariant_rms_norm",
+        points=3,
+        summary="a Triton RMSNorm: values, and bitwise f(X[:B]) == f(X)[:B], fp32 and fp16",
+        hint="one row per program, the same block size and order of additions for every batch",
+        cases=_rms_norm_cases,
+        check=_values_and_bits("reduction"),
+        forbidden_ops=frozenset({"rms_norm"}),
+        **KERNEL_TASK,
+    ),
+    Task(
+        name="invariant_matmul",
+        function="invariant_matmul",
+        points=3,
+        summary="a Triton matmul: values, and bitwise f(A[:M]) == f(A)[:M], fp32 and fp16",
+        hint="one tile configuration for every M, and the whole K in one program, in order",
+        cases=_matmul_cases,
+        check=_values_and_bits("matmul"),
+        forbidden_ops=frozenset({"matmul", "mm", "addmm", "__matmul__", "bmm", "einsum"}),
+        **KERNEL_TASK,
+    ),
+    Task(
+        name="kv_splits",
+        function="kv_splits",
+        points=2,
+        summary="fixed-size split-KV boundaries on edge and random lengths",
+        hint="splits start at 0, split_size, 2 * split_size, ...; only the last one is shorter",
+        cases=_kv_splits_cases,
+        check=_check_kv_splits,
+        forbidden_names=COURSE_NAMES,
+    ),
+    Task(
+        name="invariant_matmul_gpu",
+        function="invariant_matmul",
+        points=2,
+        summary="on a GPU: bf16 and fp16, M from 1 to 300 across tile and SM-count edges",
+        hint="no split-K and no tile choice from M: the compiled kernel must not depend on M",
+        cases=_matmul_gpu_cases,
+        check=_values_and_bits("matmul"),
+        forbidden_ops=frozenset({"matmul", "mm", "addmm", "__matmul__", "bmm", "einsum"}),
+        needs_gpu=True,
+        **KERNEL_TASK,
+    ),
+]
