@@ -41,8 +41,15 @@ def _check_against_fp64(op, x, params, dy):
     )
     assert y.dtype == x.dtype and y.is_contiguous()
     check.assert_close(y, y_ref, op="reduction", dtype=x.dtype)
-    for name, g, g_ref in zip(["dx", "dw", "db"][: len(grads)], grads, grads_ref, strict=True):
+    for name, g in zip(["dx", "dw", "db"], grads, strict=False):
         assert g.dtype == x.dtype, f"{name} has dtype {g.dtype}"
+    # dx = rstd * (terms of size |dy * w|): its rounding error grows with rstd, which reaches
+    # 1/sqrt(eps) ~ 316 when a row has no spread (one column). Compare dx / rstd, per row.
+    x64 = x.double()
+    spread = x64.var(-1, unbiased=False) if op == "layer_norm" else x64.square().mean(-1)
+    rstd = torch.rsqrt(spread + (1e-5 if op == "layer_norm" else 1e-6)).unsqueeze(-1)
+    grads[0], grads_ref[0] = grads[0].double() / rstd, grads_ref[0] / rstd
+    for name, g, g_ref in zip(["dx", "dw", "db"][: len(grads)], grads, grads_ref, strict=True):
         result = check.compare(g, g_ref, op="reduction", dtype=x.dtype)
         assert result.ok, f"{op} {name}: {result.message}"
     for before, after in zip(originals, (x, *params, dy), strict=True):
