@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
+from bad_submissions import in_function, make_submission
 
 from kernels.runtime import ON_GPU
 
@@ -56,21 +56,6 @@ EXPECTED = {
 }
 
 
-def make_submission(folder: Path, name: str, function: str, edits) -> Path:
-    nb = nbformat.read(SOLUTION, as_version=4)
-    (target,) = [
-        c
-        for c in nb.cells
-        if "graded" in c.metadata.get("tags", []) and f"def {function}(" in c.source
-    ]
-    for old, new in edits:
-        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
-        target.source = target.source.replace(old, new, 1)
-    path = folder / f"{name}_lab02_fusion.ipynb"
-    nbformat.write(nb, path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Every bad submission's report: one grader per task, all started at once."""
@@ -78,7 +63,9 @@ def reports(tmp_path_factory):
     for task in dict.fromkeys(spec[0] for spec in CASES.values()):
         folder = tmp_path_factory.mktemp(task)
         names = [name for name, spec in CASES.items() if spec[0] == task]
-        paths = [make_submission(folder, name, *CASES[name]) for name in names]
+        paths = [
+            make_submission(SOLUTION, folder, name, in_function(*CASES[name])) for name in names
+        ]
         target = folder / "grades.json"
         command = [sys.executable, "-m", "kernels", "grade", *map(str, paths), "--task", task]
         process = subprocess.Popen(

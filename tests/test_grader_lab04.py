@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
+from bad_submissions import in_function, make_submission
 
 from kernels.runtime import ON_GPU
 
@@ -36,24 +36,11 @@ MASK_CASES = {
 }
 
 
-def make_submission(folder: Path, name: str, function: str, edits) -> Path:
-    nb = nbformat.read(SOLUTION, as_version=4)
-    (target,) = [
-        c
-        for c in nb.cells
-        if "graded" in c.metadata.get("tags", []) and f"def {function}(" in c.source
-    ]
-    for old, new in edits:
-        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
-        target.source = target.source.replace(old, new, 1)
-    path = folder / f"{name}_lab04_attention.ipynb"
-    nbformat.write(nb, path)
-    return path
-
-
 def batch(tmp_path_factory, cases, *tasks):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = [make_submission(folder, name, *spec) for name, spec in cases.items()]
+    paths = [
+        make_submission(SOLUTION, folder, name, in_function(*spec)) for name, spec in cases.items()
+    ]
     target = folder / "grades.json"
     options = ["--json", target, "--time-limit", TIME_LIMIT, "--jobs", "3"]
     for task in tasks:

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
+from bad_submissions import in_function, make_submission
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab05_batch_invariance.ipynb"
@@ -63,21 +63,6 @@ CASES = {
 }  # fmt: skip
 
 
-def make_submission(folder: Path, name: str, function: str, edits) -> Path:
-    nb = nbformat.read(SOLUTION, as_version=4)
-    (target,) = [
-        c
-        for c in nb.cells
-        if "graded" in c.metadata.get("tags", []) and f"def {function}(" in c.source
-    ]
-    for old, new in edits:
-        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
-        target.source = target.source.replace(old, new, 1)
-    path = folder / f"{name}_lab05_batch_invariance.ipynb"
-    nbformat.write(nb, path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lab05_submissions")
@@ -88,7 +73,10 @@ def reports(tmp_path_factory):
         ["first_variant_batch", "kv_splits"],
     ):
         names = [name for name, spec in CASES.items() if spec[0] in tasks]
-        paths = [make_submission(folder, name, *CASES[name][1:3]) for name in names]
+        paths = [
+            make_submission(SOLUTION, folder, name, in_function(*CASES[name][1:3]))
+            for name in names
+        ]
         target = folder / f"{tasks[0]}.json"
         options = [option for task in tasks for option in ("--task", task)]
         out = subprocess.run(
