@@ -9,12 +9,20 @@ decorates a function, so this module must be imported before any kernel module i
 """
 
 import os
+import sys
+import warnings
 
 import torch
 
 ON_GPU: bool = torch.cuda.is_available()
 
 if not ON_GPU:
+    if "TRITON_INTERPRET" not in os.environ and "triton" in sys.modules:
+        warnings.warn(
+            "triton was imported before kernels, so Triton's own helpers (tl.sum, tl.max, ...) "
+            "were built for a GPU and fail under the interpreter: restart, import kernels first",
+            stacklevel=2,
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

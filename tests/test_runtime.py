@@ -37,3 +37,11 @@ def test_versions_names_device_and_libraries():
     assert info["device"] == runtime.device_name()
     assert info["torch"] == torch.__version__
     assert info["mode"] in ("interpret", "compile")
+
+
+def test_importing_triton_first_on_a_cpu_is_flagged():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import triton, kernels"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert ("import kernels first" in out.stderr) == (not runtime.ON_GPU)
