@@ -1,8 +1,13 @@
 """Bad submissions for the grader's tests: a lab's solution with its graded cells edited."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_submission(solution: Path, folder: Path, name: str, edits) -> Path:
@@ -22,3 +27,23 @@ def make_submission(solution: Path, folder: Path, name: str, edits) -> Path:
 def in_function(function: str, edits):
     """The (old, new) edits of the graded cell defining `function`, for make_submission."""
     return [(f"def {function}(", old, new) for old, new in edits]
+
+
+def grade_submissions(solution: Path, paths, tasks, time_limit: str, jobs: int = 3) -> dict:
+    """Grade the submissions at `paths` (from make_submission) on `tasks` in one run of the
+    grader, which must report failures: {submission name: {task name: its report}}."""
+    target = paths[0].parent / "grades.json"
+    options = ["--json", str(target), "--time-limit", str(time_limit), "--jobs", str(jobs)]
+    for task in tasks:
+        options += ["--task", task]
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels", "grade", *map(str, paths), *options],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    suffix = f"_{solution.name}"
+    reports = {Path(r["path"]).name.removesuffix(suffix): r for r in json.loads(target.read_text())}
+    return {name: {t["name"]: t for t in r["tasks"]} for name, r in reports.items()}
