@@ -9,7 +9,7 @@ import math
 import torch
 
 from kernels import check
-from kernels.grader.tasks import LAUNCHER_OPS, Case, Task
+from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
 
 NAME = "lab01_regimes"
 FMA_SCALE, FMA_SHIFT = 0.99, 0.01  # one step of repeat_fma: y = y * 0.99 + 0.01
@@ -219,9 +219,7 @@ TASKS = [
         hint="compute in fp32 inside the kernel and store in the input's dtype",
         cases=_repeat_fma_cases,
         check=_check_repeat_fma,
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
-        poison=True,
+        **KERNEL_DEFENCES,
     ),
     Task(
         name="diagnose",
@@ -242,9 +240,7 @@ TASKS = [
         hint="one load and one store per element, a 1-D grid of large blocks",
         cases=_repeat_fma_gpu_cases,
         check=_check_repeat_fma,
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
-        poison=True,
+        **KERNEL_DEFENCES,
         needs_gpu=True,
         exclusive=True,
     ),

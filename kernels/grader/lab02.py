@@ -9,7 +9,7 @@ tolerance table (`kernels.check`): elementwise for bias + GELU, reduction for th
 import torch
 
 from kernels import check
-from kernels.grader.tasks import LAUNCHER_OPS, Case, Task
+from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
 
 NAME = "lab02_fusion"
 CPU_DTYPES = (torch.float32, torch.float16)
@@ -210,10 +210,8 @@ TASKS = [
         "stored in x's dtype",
         cases=_bias_gelu_cases,
         check=_values("elementwise"),
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
+        **KERNEL_DEFENCES,
         forbidden_ops=GELU_OPS,
-        poison=True,
     ),
     Task(
         name="softmax",
@@ -223,10 +221,8 @@ TASKS = [
         hint="masked lanes load -inf; subtract the row max before exp; compute in float32",
         cases=_softmax_cases,
         check=_values("reduction"),
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
+        **KERNEL_DEFENCES,
         forbidden_ops=SOFTMAX_OPS,
-        poison=True,
     ),
     Task(
         name="softmax_streamed",
@@ -237,10 +233,8 @@ TASKS = [
         "and guard the rescale while the max is still -inf",
         cases=_softmax_streamed_cases,
         check=_values("reduction"),
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
+        **KERNEL_DEFENCES,
         forbidden_ops=SOFTMAX_OPS,
-        poison=True,
     ),
     Task(
         name="rms_norm",
@@ -250,10 +244,8 @@ TASKS = [
         hint="x * rsqrt(mean(x * x) + eps) * weight, with x upcast to float32 before squaring",
         cases=_rms_norm_cases,
         check=_values("reduction"),
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
+        **KERNEL_DEFENCES,
         forbidden_ops=RMS_NORM_OPS,
-        poison=True,
     ),
     Task(
         name="softmax_gpu",
@@ -263,10 +255,8 @@ TASKS = [
         hint="load bf16, compute in float32, store bf16; one read and one write per element",
         cases=_softmax_gpu_cases,
         check=_check_softmax_gpu,
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
+        **KERNEL_DEFENCES,
         forbidden_ops=SOFTMAX_OPS,
-        poison=True,
         needs_gpu=True,
         exclusive=True,
     ),

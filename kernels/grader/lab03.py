@@ -11,7 +11,7 @@ import torch
 
 from kernels import check
 from kernels.grader.lab01 import _log_uniform, _numbers
-from kernels.grader.tasks import LAUNCHER_OPS, Case, Task
+from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
 from kernels.matmul import matmul_ref
 
 NAME = "lab03_matmul"
@@ -202,11 +202,9 @@ def _kernel_task(**fields) -> Task:
     return Task(
         function="tiled_matmul",
         check=_check_matmul,
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
+        **KERNEL_DEFENCES,
         forbidden_ops=MATMUL_OPS,
         forbidden_names=MATMUL_NAMES,
-        poison=True,
         time_limit=180.0,  # on a GPU, each new specialisation of the kernel compiles first
         **fields,
     )
@@ -233,9 +231,7 @@ TASKS = [
         "the last band may be shorter",
         cases=_tile_order_cases,
         check=_check_tile_order,
-        kernel=True,
-        launcher_ops=LAUNCHER_OPS,
-        poison=True,
+        **KERNEL_DEFENCES,
     ),
     _kernel_task(
         name="tiled_matmul",

@@ -12,7 +12,7 @@ import torch
 
 from kernels import check
 from kernels.attention import attention_ref
-from kernels.grader.tasks import LAUNCHER_OPS, Case, Task
+from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
 
 NAME = "lab04_attention"
 # The torch ops that are attention, or its pieces: calling them outside a kernel earns nothing.
@@ -129,10 +129,8 @@ def _check_attention(case: Case, out) -> str | None:
 KERNEL_TASK = dict(
     function="attention",
     check=_check_attention,
-    kernel=True,
-    launcher_ops=LAUNCHER_OPS,
+    **KERNEL_DEFENCES,
     forbidden_ops=ATTENTION_OPS,
-    poison=True,
 )
 
 TASKS = [

@@ -12,7 +12,7 @@ import bisect
 import torch
 
 from kernels import check
-from kernels.grader.tasks import LAUNCHER_OPS, Case, Task
+from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
 from kernels.invariance import InvarianceReport
 
 NAME = "lab05_batch_invariance"
@@ -231,8 +231,7 @@ def _check_kv_splits(case: Case, out) -> str | None:
     return f"returned {out!r:.60}, expected {shown}"
 
 
-KERNEL_TASK = dict(kernel=True, launcher_ops=LAUNCHER_OPS, poison=True,
-                   forbidden_names=COURSE_NAMES)  # fmt: skip
+KERNEL_TASK = dict(**KERNEL_DEFENCES, forbidden_names=COURSE_NAMES)
 
 TASKS = [
     Task(

@@ -30,6 +30,10 @@ LAUNCHER_OPS = frozenset(
     }
 )  # fmt: skip
 
+# The defences of a task whose answer is a Triton kernel and its launcher: a kernel of the
+# learner's own must run, the launcher may only allocate and launch, new memory is NaN-filled.
+KERNEL_DEFENCES = {"kernel": True, "launcher_ops": LAUNCHER_OPS, "poison": True}
+
 
 @dataclass
 class Case:
