@@ -60,6 +60,8 @@ def bench_command(args) -> int:
     else:
         result = benchmarks.run(args.names or None)
         result["meta"] = {**runtime.versions(), "date": datetime.date.today().isoformat()}
+        if args.update and args.json and Path(args.json).exists():
+            result = benchmarks.merge(json.loads(Path(args.json).read_text()), result)
     print(benchmarks.format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -82,6 +84,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="ceilings and kernels against baselines (GPU)")
     p.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="add to the rows already in --json OUT, replacing those of the same name",
+    )
     p = sub.add_parser("record", help="execute notebooks and record their outputs and metadata")
     p.add_argument("paths", nargs="+")
     grader.add_commands(sub)

@@ -83,6 +83,37 @@ def bench_regimes(ceilings):
     return rows
 
 
+MATMUL_LAYERS = ((4096, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336))  # (M, N, K)
+MATMUL_DECODE = tuple((m, 4096, 4096) for m in (1, 16, 64))  # reported, no target
+MATMUL_IRREGULAR = (8205, 5921, 2949)
+
+
+def _epilogue_rows(ceilings, randn):
+    """bias + exact GELU fused into the matmul, against cuBLAS then PyTorch's bias-GELU (two
+    more kernels) and against the course's matmul then its fused bias_gelu (one more)."""
+    from kernels.elementwise import bias_gelu
+    from kernels.matmul import matmul
+
+    eager = lambda x, w, bias: torch.nn.functional.gelu(torch.matmul(x, w) + bias)
+    unfused = lambda x, w, bias: bias_gelu(matmul(x, w), bias)
+    rows = []
+    for m, n, k in ((4096, 14336, 1024), (4096, 14336, 4096)):
+        x, weight = randn(m, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16)
+        args = (x, weight.t(), randn(n, dtype=torch.bfloat16))
+        baselines = {
+            "torch.matmul + bias-GELU": bench.time_ms(eager, *args),
+            "matmul + bias_gelu": bench.time_ms(unfused, *args),
+        }
+        ms = bench.time_ms(matmul, *args, "gelu")
+        name = f"matmul+bias+gelu bf16 {m}x{n}x{k} Wt"
+        rows.append(
+            _row(
+                name, ms, flops=2 * m * n * k, ceilings=ceilings, dtype="bf16", baselines=baselines
+            )
+        )
+    return rows
+
+
 def bench_matmul(ceilings):
     """Squares in bf16 and fp16, LLM layer shapes (x @ W.t() with W an (N, K) nn.Linear weight),
     and fp32 both as IEEE (torch's default "highest") and with TF32 allowed: 2*M*N*K FLOPs."""
@@ -104,9 +135,13 @@ def bench_matmul(ceilings):
         for n in (1024, 2048, 4096, 8192):
             a, b = randn(n, n, dtype=dtype), randn(n, n, dtype=dtype)
             rows.append(row(f"{name} {n}^3", a, b, name))
-    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
-        x, weight = randn(4096, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16)
-        rows.append(row(f"bf16 4096x{n}x{k} Wt", x, weight.t(), "bf16"))
+    for m, n, k in MATMUL_LAYERS + MATMUL_DECODE:
+        x, weight = randn(m, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16)
+        rows.append(row(f"bf16 {m}x{n}x{k} Wt", x, weight.t(), "bf16"))
+    m, n, k = MATMUL_IRREGULAR
+    a, b = randn(m, k, dtype=torch.bfloat16), randn(k, n, dtype=torch.bfloat16)
+    rows.append(row(f"bf16 {m}x{n}x{k}", a, b, "bf16"))
+    rows.extend(_epilogue_rows(ceilings, randn))
     a, b = randn(4096, 4096), randn(4096, 4096)
     previous = torch.get_float32_matmul_precision()
     try:
@@ -182,6 +217,64 @@ def bench_fusion(ceilings, shapes=FUSION_SHAPES, dtypes=FUSION_DTYPES):
                     )
                 )
             del x, w, b
+    rows.extend(_softmax_sweep_rows(ceilings))
+    rows.extend(_norm_backward_rows(ceilings, shapes))
+    return rows
+
+
+SOFTMAX_ROWS = (2048, 4096, 8192, 16384, 32768, 131072)  # row lengths, bf16, 2^26 elements
+
+
+def _softmax_sweep_rows(ceilings):
+    from kernels.softmax import softmax
+
+    rows = []
+    for n in SOFTMAX_ROWS:
+        x = torch.randn(pick(cpu=2, gpu=(1 << 26) // n), n, device=DEVICE, dtype=torch.bfloat16)
+        eager = lambda x: torch.softmax(x, dim=-1)
+        compiled = torch.compile(eager, dynamic=False)
+        compiled(x)
+        baselines = {"torch": bench.time_ms(eager, x), "torch.compile": bench.time_ms(compiled, x)}
+        ms = bench.time_ms(softmax, x)
+        name = f"softmax bf16 {x.shape[0]}x{n}"
+        rows.append(
+            _row(name, ms, bytes_moved=2 * x.numel() * 2, ceilings=ceilings, baselines=baselines)
+        )
+    return rows
+
+
+def _norm_backward_rows(ceilings, shapes):
+    """The backward alone (dx, dw and db from dy): it reads x and dy and writes dx, so
+    3 * numel elements at least; timed as autograd.grad on a kept graph."""
+    from kernels.norm import layer_norm, rms_norm
+
+    # op: (the course's kernel, eager PyTorch, how many of (x, w, b) it takes)
+    ops = {
+        "rms_norm": (lambda x, w, b: rms_norm(x, w), _rms_norm_eager, 2),
+        "layer_norm": (layer_norm, _layer_norm_eager, 3),
+    }
+    rows = []
+    for m, n in shapes:
+        x = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(n, device=DEVICE, dtype=x.dtype, requires_grad=True)
+        b = torch.randn(n, device=DEVICE, dtype=x.dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        for op, (ours, eager, n_inputs) in ops.items():
+            inputs = (x, w, b)[:n_inputs]
+            fns = {
+                "ours": ours,
+                "torch": eager,
+                "torch.compile": torch.compile(eager, dynamic=False),
+            }
+            ms = {}
+            for label, fn in fns.items():
+                y = fn(x, w, b)  # one forward; the backward is timed on its graph
+                ms[label] = bench.time_ms(torch.autograd.grad, y, inputs, dy, retain_graph=True)
+            name = f"{op} bwd bf16 {m}x{n}"
+            nbytes = 3 * x.numel() * x.element_size()
+            rows.append(
+                _row(name, ms.pop("ours"), bytes_moved=nbytes, ceilings=ceilings, baselines=ms)
+            )
     return rows
 
 
@@ -267,12 +360,14 @@ def bench_attention(ceilings):
 
 def bench_batch_invariant(ceilings):
     """Chapter 5: each batch-invariant kernel against its ordinary counterpart, in bf16: matmul
-    (M x 4096 @ 4096 x 4096) against cuBLAS, RMSNorm (rows of 4096) against PyTorch, decoding
-    attention (one query, 32 heads of 128) against SDPA; and serving the tiny LM with and without
-    batch_invariant_mode()."""
+    (M x 4096 @ 4096 x 4096) against cuBLAS, RMSNorm (rows of 4096) against the course's
+    rms_norm and PyTorch, decoding attention (one query, 32 heads of 128) against the course's
+    attention and SDPA; and serving the tiny LM with and without batch_invariant_mode()."""
     import torch.nn.functional as F
 
     from kernels import batch_invariant as bi
+    from kernels.attention import attention
+    from kernels.norm import rms_norm
 
     rows = []
     n = k = 4096
@@ -289,6 +384,7 @@ def bench_batch_invariant(ceilings):
     for m in (1, 64, 4096, 16384):
         x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
         baselines = {
+            "kernels.norm.rms_norm": bench.time_ms(rms_norm, x, w),
             "torch fp32 math": bench.time_ms(bi.rms_norm_ref, x, w),
             "F.rms_norm": bench.time_ms(F.rms_norm, x, (4096,), w, 1e-6),
         }
@@ -300,11 +396,14 @@ def bench_batch_invariant(ceilings):
     for batch, keys in ((1, 4096), (8, 4096), (64, 1024), (32, 8192)):
         q = torch.randn(batch, 32, 1, 128, device=DEVICE, dtype=torch.bfloat16)
         kv = torch.randn(batch, 32, keys, 128, device=DEVICE, dtype=torch.bfloat16)
-        sdpa = {"SDPA": bench.time_ms(F.scaled_dot_product_attention, q, kv, kv)}
+        baselines = {
+            "kernels.attention": bench.time_ms(attention, q, kv, kv),
+            "SDPA": bench.time_ms(F.scaled_dot_product_attention, q, kv, kv),
+        }
         ms = bench.time_ms(bi.attention, q, kv, kv)
         name = f"invariant attention B={batch} Sk={keys}"  # bf16, Sq=1, H=32, D=128
         rows.append(
-            _row(name, ms, bytes_moved=2 * kv.numel() * 2, ceilings=ceilings, baselines=sdpa)
+            _row(name, ms, bytes_moved=2 * kv.numel() * 2, ceilings=ceilings, baselines=baselines)
         )
     rows.append(_serving_row())
     return rows
@@ -362,6 +461,27 @@ def run(names=None, ceilings=None):
     for name in names or BENCHMARKS:
         rows.extend(BENCHMARKS[name](ceilings))
     return {"ceilings": ceilings, "rows": rows}
+
+
+def merge(earlier, later):
+    """Rows of two bench runs in one result: `later`'s rows replace `earlier`'s of the same
+    name. Each row's % of ceiling and baselines come from its own run; "runs" keeps every
+    run's ceilings and metadata, and the top-level ceilings and meta are the latest run's."""
+    names = {r["name"] for r in later["rows"]}
+    runs = earlier.get("runs") or [_run_summary(earlier)]
+    return {
+        **later,
+        "rows": [r for r in earlier["rows"] if r["name"] not in names] + later["rows"],
+        "runs": runs + [_run_summary(later)],
+    }
+
+
+def _run_summary(result):
+    return {
+        "ceilings": result["ceilings"],
+        "meta": result.get("meta", {}),
+        "rows": [r["name"] for r in result["rows"]],
+    }
 
 
 def format_table(result) -> str:

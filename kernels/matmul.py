@@ -72,14 +72,19 @@ def tile_config(block_m, block_n, block_k, num_warps, num_stages, group_m=8):
 
 
 # Hopper (H100/H200) candidates, chosen with scripts/tune_matmul.py on an H200: a 128x256 tile
-# with BLOCK_K=64 was within a few percent of cuBLAS at 2048-8192 in bf16 and fp16; 128x128
-# keeps small problems spread over the 132 SMs; BLOCK_K=32 leaves room in shared memory for
-# fp32's larger elements. Few configs: each one costs a compile and a timing per new shape.
+# with BLOCK_K=64 was within a few percent of cuBLAS at 2048-8192 in bf16 and fp16; 256x128
+# and a 128-deep K step did best on x @ W.t() layer shapes; 64x128 spreads a 1024^2 output
+# over the 132 SMs (0.92x cuBLAS there, against 0.53x for the best larger tile); BLOCK_K=32
+# leaves room in shared memory for fp32's larger elements. Few configs: each one costs a
+# compile and a timing per new shape.
 CONFIGS = [
     tile_config(128, 256, 64, num_warps=8, num_stages=3),
     tile_config(128, 256, 64, num_warps=8, num_stages=4),
+    tile_config(256, 128, 64, num_warps=8, num_stages=4),
+    tile_config(128, 128, 128, num_warps=8, num_stages=3),
     tile_config(128, 128, 64, num_warps=8, num_stages=4),
     tile_config(128, 128, 32, num_warps=8, num_stages=3),
+    tile_config(64, 128, 64, num_warps=4, num_stages=4),
     tile_config(64, 128, 32, num_warps=4, num_stages=4),
 ]
 # The interpreter runs programs one after another in Python: one small config, no tuning.

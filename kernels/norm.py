@@ -28,8 +28,11 @@ from kernels.validate import check_same, check_tensor
 MAX_COLS = 65536  # rows are kept whole in registers; longer ones would need a loop
 
 
-def _num_warps(block: int) -> int:
-    return min(16, max(1, block // 256))
+def _num_warps(block: int, values_per_thread: int) -> int:
+    # Measured on an H200 (scripts/tune_fusion.py): the forward moves the most bytes with
+    # 32 values per thread (4 warps for rows of 4096, 8 for 8192; 16 warps at 8192 cost
+    # LayerNorm a fifth of its bandwidth), the backward, which holds x and dy, with 16.
+    return min(16, max(2, block // (32 * values_per_thread)))
 
 
 @triton.jit
@@ -166,12 +169,12 @@ def _check(x, eps, **params):
 def _forward(x, weight, bias, eps):
     x2 = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
+    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    mean = None if bias is None else torch.empty_like(rstd)  # RMSNorm has no mean
     if x.numel():
         n_rows, n_cols = x2.shape
         block = triton.next_power_of_2(n_cols)
-        common = dict(BLOCK=block, num_warps=_num_warps(block))
+        common = dict(BLOCK=block, num_warps=_num_warps(block, 32))
         y2 = y.view(n_rows, n_cols)
         if bias is None:
             rms_norm_fwd_kernel[(n_rows,)](
@@ -185,8 +188,9 @@ def _forward(x, weight, bias, eps):
 
 
 def _programs(n_rows: int, device) -> int:
-    """How many programs share the rows in the backward: one per SM on a GPU."""
-    target = torch.cuda.get_device_properties(device).multi_processor_count if ON_GPU else 8
+    """How many programs share the rows in the backward: two per SM on a GPU (one per SM
+    left a 4096 x 4096 backward at 44% of the copy bandwidth, two reached 60%)."""
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if ON_GPU else 8
     return max(1, min(n_rows, target))
 
 
@@ -220,7 +224,7 @@ def _backward(dy, x2, weight, mean, rstd, layer_norm: bool):
         rows_per_program,
         BLOCK=block,
         LAYER_NORM=layer_norm,
-        num_warps=_num_warps(block),
+        num_warps=_num_warps(block, 16),
     )
     for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
         grid = (triton.cdiv(n_cols, 128),)
@@ -260,11 +264,19 @@ class LayerNormFunction(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw, db, None
 
 
+def _needs_grad(*tensors) -> bool:
+    # Without a gradient to compute, skip autograd's bookkeeping: on a small input the
+    # host's time per call, not the GPU's, sets the pace (Chapter 1's overhead regime).
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading dims), scaled by `weight`; fp32 inside,
     output in x's dtype. Differentiable in x and weight (backward in Triton)."""
     _check(x, eps, weight=weight)
-    return RMSNormFunction.apply(x, weight, float(eps))
+    if _needs_grad(x, weight):
+        return RMSNormFunction.apply(x, weight, float(eps))
+    return _forward(x, weight, None, float(eps))[0]
 
 
 def layer_norm(
@@ -273,7 +285,9 @@ def layer_norm(
     """LayerNorm over the last dim of `x` (any leading dims), then `* weight + bias`; fp32
     inside, output in x's dtype. Differentiable in x, weight and bias (backward in Triton)."""
     _check(x, eps, weight=weight, bias=bias)
-    return LayerNormFunction.apply(x, weight, bias, float(eps))
+    if _needs_grad(x, weight, bias):
+        return LayerNormFunction.apply(x, weight, bias, float(eps))
+    return _forward(x, weight, bias, float(eps))[0]
 
 
 def _compute_dtype(x):

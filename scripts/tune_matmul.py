@@ -41,9 +41,16 @@ EXTRA_CANDIDATES = [
     tile_config(64, 256, 64, num_warps=4, num_stages=4),
     tile_config(128, 256, 64, num_warps=8, num_stages=3, group_m=16),
     tile_config(128, 256, 64, num_warps=8, num_stages=3, group_m=4),
+    # small tiles: more programs than SMs for problems of 1024^2 outputs and below
+    tile_config(64, 64, 64, num_warps=4, num_stages=4),
+    tile_config(64, 128, 64, num_warps=4, num_stages=4),
+    tile_config(128, 64, 64, num_warps=4, num_stages=4),
+    tile_config(64, 64, 128, num_warps=4, num_stages=3),
 ]
 SQUARES = (1024, 2048, 4096, 8192)
 LLM = ((4096, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336))  # x @ W.t(), (M, N, K)
+IRREGULAR = (8205, 5921, 2949)
+DECODE = tuple((m, 4096, 4096) for m in (1, 16, 64))  # a few tokens through a 4096 layer
 
 
 def label(config) -> str:
@@ -122,13 +129,14 @@ def measure(fn, a, b, torch_ms):
     return bench.achieved_tflops(flops, ms), torch_ms / ms
 
 
-def shapes(dtypes):
+def shapes(dtypes, squares=SQUARES, llm=True):
     for name in dtypes:
-        for n in SQUARES:
+        for n in squares:
             yield f"{name} {n}^3", name, (n, n, n), False
-    if "bf16" in dtypes:
-        for m, n, k in LLM:
+    if "bf16" in dtypes and llm:
+        for m, n, k in LLM + DECODE:
             yield f"bf16 {m}x{n}x{k} Wt", "bf16", (m, n, k), True
+        yield "bf16 {}x{}x{}".format(*IRREGULAR), "bf16", IRREGULAR, False
 
 
 def operands(dtype, m, n, k, transposed_b):
@@ -156,6 +164,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
     parser.add_argument("--tma", action="store_true", help="also time the TMA variant")
+    parser.add_argument("--squares", nargs="*", type=int, default=SQUARES, help="square sizes")
+    parser.add_argument("--no-llm", action="store_true", help="skip LLM, decode, odd shapes")
     args = parser.parse_args(argv)
     if not ON_GPU:
         print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing)")
@@ -167,7 +177,7 @@ def main(argv=None) -> int:
     if args.tma:
         variants += [("TMA " + label(c), c, launch_tma) for c in candidates]
     ratios = {name: {} for name, _, _ in variants}
-    for shape_name, dtype_name, (m, n, k), transposed_b in shapes(args.dtypes):
+    for shape_name, dtype_name, (m, n, k), transposed_b in shapes(args.dtypes, args.squares, not args.no_llm):
         a, b = operands(bench.DTYPE_NAMES[dtype_name], m, n, k, transposed_b)
         torch_ms = bench.time_ms(torch.matmul, a, b)
         flops = 2 * m * n * k

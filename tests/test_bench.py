@@ -124,3 +124,24 @@ def test_gpu_ceilings_are_plausible():
     c = bench.measure_ceilings()
     assert c["copy_gbps"] > 500
     assert c["matmul_tflops"]["bf16"] > 5 * c["matmul_tflops"]["fp32"]
+
+
+def test_merging_bench_runs_replaces_rows_by_name_and_keeps_each_run():
+    from kernels.benchmarks import merge
+
+    row = lambda name, ms: {"name": name, "ms": ms}
+    first = {
+        "ceilings": {"copy_gbps": 1.0},
+        "meta": {"date": "a"},
+        "rows": [row("x", 1), row("y", 2)],
+    }
+    second = {
+        "ceilings": {"copy_gbps": 2.0},
+        "meta": {"date": "b"},
+        "rows": [row("y", 3), row("z", 4)],
+    }
+    merged = merge(first, second)
+    assert [(r["name"], r["ms"]) for r in merged["rows"]] == [("x", 1), ("y", 3), ("z", 4)]
+    assert merged["ceilings"] == {"copy_gbps": 2.0} and merged["meta"] == {"date": "b"}
+    assert [r["ceilings"]["copy_gbps"] for r in merged["runs"]] == [1.0, 2.0]
+    assert merge(merged, first)["runs"][-1]["rows"] == ["x", "y"]
