@@ -114,6 +114,123 @@ def launch_tma(config, a, b):
     return c
 
 
+@triton.jit
+def wt_matmul_kernel(
+    a_ptr, w_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # a @ W.t() with W (N, K) loaded as (BLOCK_N, BLOCK_K) tiles, K-contiguous, and transposed
+    # in registers for the dot: the layout an nn.Linear weight has.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * tiles_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_group) % group_height
+    pid_n = (pid % tiles_per_group) // group_height
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+    w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=ks[None, :] < K - k0, other=0.0)
+        w = tl.load(w_ptrs, mask=ks[None, :] < K - k0, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def launch_wt(config, a, b):
+    w = b.t()  # b is W.t(): W itself is (N, K), K contiguous
+    (m, k), n = a.shape, w.shape[0]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    meta = config.kwargs
+    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    wt_matmul_kernel[grid](
+        a, w, c, m, n, k, *a.stride(), *w.stride(), *c.stride(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **meta,
+    )  # fmt: skip
+    return c
+
+
+@triton.jit
+def tma_wt_kernel(
+    a_desc, w_desc, c_desc, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * tiles_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_group) % group_height
+    pid_n = (pid % tiles_per_group) // group_height
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        acc = tl.dot(a, w.T, acc)
+    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def launch_tma_wt(config, a, b):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w = b.t()
+    (m, k), n = a.shape, w.shape[0]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    meta = config.kwargs
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    descs = (
+        TensorDescriptor.from_tensor(a, [bm, bk]),
+        TensorDescriptor.from_tensor(w, [bn, bk]),
+        TensorDescriptor.from_tensor(c, [bm, bn]),
+    )
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tma_wt_kernel[grid](*descs, m, n, k, num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+    return c
+
+
+def padded_matmul(a, b, multiple=64):
+    """kernels.matmul on zero-padded copies whose rows start 16-byte aligned: every load can
+    be a wide one. Zeros in the padding of K add nothing; the padding of N is cut off."""
+    (m, k), n = a.shape, b.shape[1]
+    kp, np_ = triton.cdiv(k, multiple) * multiple, triton.cdiv(n, multiple) * multiple
+    a_p = torch.zeros((m, kp), dtype=a.dtype, device=a.device)
+    a_p[:, :k] = a
+    b_p = torch.zeros((kp, np_), dtype=b.dtype, device=b.device)
+    b_p[:k, :n] = b
+    return matmul(a_p, b_p)[:, :n].contiguous()
+
+
+def experiments():
+    """Layouts: x @ W.t() three ways; an irregular shape padded to aligned rows."""
+    configs = CONFIGS
+    for m, n, k in LLM:
+        a, b = operands(torch.bfloat16, m, n, k, True)
+        torch_ms = bench.time_ms(torch.matmul, a, b)
+        print(f"\nbf16 {m}x{n}x{k} Wt: torch {bench.achieved_tflops(2 * m * n * k, torch_ms):.0f} TFLOP/s")
+        for kind, fn in (("ptr", launch), ("W tiles", launch_wt), ("TMA W", launch_tma_wt)):
+            results = [(label(c), *measure(functools.partial(fn, c), a, b, torch_ms)) for c in configs]
+            ok = [r for r in results if r[1] is not None]
+            best = max(ok, key=lambda r: r[2]) if ok else results[0]
+            print(f"  {kind:8} best {best[0]:24} {best[1]} TFLOP/s {best[2]}")
+        a_c, b_c = a, b.contiguous()
+        print(f"  b made contiguous first: {measure(lambda a, b: matmul(a, b.contiguous()), a, b, torch_ms)}")
+    m, n, k = IRREGULAR
+    a, b = operands(torch.bfloat16, m, n, k, False)
+    torch_ms = bench.time_ms(torch.matmul, a, b)
+    print(f"\nbf16 {m}x{n}x{k}: torch {bench.achieved_tflops(2 * m * n * k, torch_ms):.0f} TFLOP/s")
+    print(f"  kernels.matmul: {measure(matmul, a, b, torch_ms)}")
+    print(f"  padded to 64: {measure(padded_matmul, a, b, torch_ms)}")
+    print(f"  padded to 8: {measure(functools.partial(padded_matmul, multiple=8), a, b, torch_ms)}")
+
+
 def measure(fn, a, b, torch_ms):
     """(TFLOP/s, ratio to torch) after checking the result, or (None, reason)."""
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
@@ -166,10 +283,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tma", action="store_true", help="also time the TMA variant")
     parser.add_argument("--squares", nargs="*", type=int, default=SQUARES, help="square sizes")
     parser.add_argument("--no-llm", action="store_true", help="skip LLM, decode, odd shapes")
+    parser.add_argument("--experiments", action="store_true", help="layout experiments only")
     args = parser.parse_args(argv)
     if not ON_GPU:
         print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing)")
         return 1
+    if args.experiments:
+        experiments()
+        return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     limit = shared_memory_limit(DEVICE.index or 0)
     candidates = [c for c in CONFIGS + EXTRA_CANDIDATES if shared_memory_bytes(c, 2) <= limit]
