@@ -8,6 +8,7 @@ from kernels.matmul import (
     input_precision,
     matmul,
     matmul_ref,
+    pad_operands,
     shared_memory_bytes,
 )
 from kernels.runtime import DEVICE
@@ -143,6 +144,29 @@ def test_autotuning_tries_configs_that_fit_and_pay_off():
 @pytest.mark.parametrize("shape", [(1000, 4097, 129), (257, 3, 4096)], ids=str)
 def test_gpu_sizes_that_are_not_multiples_of_anything(shape, dtype):
     check_matmul(*operands(*shape, dtype, seed=8))
+
+
+def test_padded_operands_hold_the_same_product():
+    a, b = operands(5, 3, 7, torch.float64, seed=10)
+    bias = check.random_tensor((3,), torch.float64, seed=12)
+    a_p, b_p, bias_p = pad_operands(a, b, bias, multiple=4)
+    assert (a_p.shape, b_p.shape, bias_p.shape) == ((5, 8), (8, 4), (4,))
+    assert a_p.is_contiguous() and b_p.is_contiguous()
+    assert not a_p[:, 7:].any() and not b_p[7:].any() and not b_p[:, 3:].any() and bias_p[3] == 0
+    torch.testing.assert_close((a_p @ b_p + bias_p)[:, :3], a @ b + bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_misaligned_large_problems_go_through_padded_copies(dtype):
+    from kernels.matmul import PAD_MIN_WORK, _aligned
+
+    m, n, k = 1031, 1043, 1009  # odd strides and M*N*K over PAD_MIN_WORK
+    a, b = operands(m, n, k, dtype, seed=13)
+    assert m * n * k >= PAD_MIN_WORK and not _aligned(a, b)
+    bias = check.random_tensor((n,), dtype, seed=14)
+    check_matmul(a, b, bias, "gelu")
+    check_matmul(a, b[:, : n - 1])  # a column view: b's rows stay odd, its N too
 
 
 @pytest.mark.gpu
