@@ -217,15 +217,15 @@ def bench_fusion(ceilings, shapes=FUSION_SHAPES, dtypes=FUSION_DTYPES):
                     )
                 )
             del x, w, b
-    rows.extend(_softmax_sweep_rows(ceilings))
-    rows.extend(_norm_backward_rows(ceilings, shapes))
     return rows
 
 
 SOFTMAX_ROWS = (2048, 4096, 8192, 16384, 32768, 131072)  # row lengths, bf16, 2^26 elements
 
 
-def _softmax_sweep_rows(ceilings):
+def bench_softmax(ceilings):
+    """Softmax at row lengths 2k to 131072 (bf16, 2^26 elements each), against eager
+    PyTorch and torch.compile."""
     from kernels.softmax import softmax
 
     rows = []
@@ -243,7 +243,7 @@ def _softmax_sweep_rows(ceilings):
     return rows
 
 
-def _norm_backward_rows(ceilings, shapes):
+def bench_norm_backward(ceilings, shapes=FUSION_SHAPES):
     """The backward alone (dx, dw and db from dy): it reads x and dy and writes dx, so
     3 * numel elements at least; timed as autograd.grad on a kept graph."""
     from kernels.norm import layer_norm, rms_norm
@@ -446,6 +446,8 @@ BENCHMARKS = {
     "regimes": bench_regimes,
     "matmul": bench_matmul,
     "fusion": bench_fusion,
+    "softmax": bench_softmax,
+    "norm_backward": bench_norm_backward,
     "attention": bench_attention,
     "batch_invariant": bench_batch_invariant,
 }
