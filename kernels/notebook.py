@@ -8,6 +8,7 @@ recorded.
 
 import datetime
 import hashlib
+import re
 import sys
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def record(path, timeout: int = 1800, kernel_name: str = "python3") -> dict:
         resources={"metadata": {"path": str(path.parent.resolve())}},
     )
     client.execute()
+    strip_install_paths(nb)
     info = versions()
     meta = {
         "device": info["device"],
@@ -53,6 +55,19 @@ def record(path, timeout: int = 1800, kernel_name: str = "python3") -> dict:
     nb.metadata[METADATA_KEY] = meta
     nbformat.write(nb, path)
     return meta
+
+
+# A warning names the file it came from with the machine's own install path; the book needs
+# only the part from "site-packages" on.
+_INSTALL_PREFIX = re.compile(r"(?:/[\w.+-]+)+/(?:site|dist)-packages/")
+
+
+def strip_install_paths(nb) -> None:
+    """Shorten install paths in stream outputs (warnings) to `.../site-packages/...`."""
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream":
+                output["text"] = _INSTALL_PREFIX.sub(".../site-packages/", output["text"])
 
 
 def check_recorded(path) -> str | None:

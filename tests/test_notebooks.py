@@ -54,3 +54,17 @@ def test_code_hash_ignores_markdown_and_outputs(tmp_path):
     nb.cells[0].source = "# another title"
     nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="1")]
     assert notebook.code_hash(nb) == before
+
+
+def test_recording_shortens_install_paths_in_warnings():
+    import nbformat
+
+    from kernels.notebook import strip_install_paths
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("import warnings")
+    text = "/opt/x/.venv/lib/python3.12/site-packages/torch/profiler.py:224: UserWarning: w\n"
+    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text=text)]
+    nb.cells.append(cell)
+    strip_install_paths(nb)
+    assert cell.outputs[0]["text"] == ".../site-packages/torch/profiler.py:224: UserWarning: w\n"
