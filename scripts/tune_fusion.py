@@ -52,7 +52,9 @@ def report(table, name, nbytes, ms, copy_gbps, **extra):
     rate = bench.achieved_gbps(nbytes, ms)
     row = {"name": name, "ms": ms, "gbps": rate, "pct_copy": 100 * rate / copy_gbps, **extra}
     table.append(row)
-    more = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+    more = " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()
+    )
     print(f"  {name:48} {1e3 * ms:9.1f} us {rate:7.0f} GB/s {row['pct_copy']:5.1f}%  {more}")
 
 
@@ -90,7 +92,9 @@ def overhead(results, copy_gbps):
             "graph_ms_torch": graph_ms(lambda: theirs(big, w, b)),
         }
         rows.append(row)
-        print("  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else v for k, v in row.items()))
+        print(
+            "  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else v for k, v in row.items())
+        )
     # the pieces of a call, on the tiny input
     pieces = {
         "check_tensor": lambda: norm._check(tiny, 1e-6, weight=w),
@@ -113,8 +117,15 @@ def norms_forward(results, copy_gbps):
     table = results.setdefault("norm_fwd", [])
     for m, n in ((4096, 4096), (16384, 4096), (16384, 8192)):
         x = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
-        w, b = torch.randn(n, device=DEVICE, dtype=x.dtype), torch.randn(n, device=DEVICE, dtype=x.dtype)
-        y, mean, rstd = torch.empty_like(x), torch.empty(m, device=DEVICE), torch.empty(m, device=DEVICE)
+        w, b = (
+            torch.randn(n, device=DEVICE, dtype=x.dtype),
+            torch.randn(n, device=DEVICE, dtype=x.dtype),
+        )
+        y, mean, rstd = (
+            torch.empty_like(x),
+            torch.empty(m, device=DEVICE),
+            torch.empty(m, device=DEVICE),
+        )
         block = triton.next_power_of_2(n)
         for warps in (2, 4, 8, 16, 32):
             rms = lambda: norm.rms_norm_fwd_kernel[(m,)](
@@ -129,15 +140,31 @@ def norms_forward(results, copy_gbps):
             ):
                 fn()
                 ok = check.compare(y, ref(), op="reduction", dtype=x.dtype).ok
-                report(table, f"{name} {m}x{n} w{warps}", 2 * x.numel() * 2, graph_ms(fn),
-                       copy_gbps, ok=ok, op=name, shape=f"{m}x{n}", warps=warps)
+                report(
+                    table,
+                    f"{name} {m}x{n} w{warps}",
+                    2 * x.numel() * 2,
+                    graph_ms(fn),
+                    copy_gbps,
+                    ok=ok,
+                    op=name,
+                    shape=f"{m}x{n}",
+                    warps=warps,
+                )
         compiled = {
             "rms": torch.compile(lambda: norm.rms_norm_ref(x, w)),
             "ln": torch.compile(lambda: torch.nn.functional.layer_norm(x, (n,), w, b, 1e-5)),
         }
         for name, fn in compiled.items():
-            report(table, f"{name} {m}x{n} torch.compile", 2 * x.numel() * 2, graph_ms(fn),
-                   copy_gbps, op=name + " compile", shape=f"{m}x{n}")
+            report(
+                table,
+                f"{name} {m}x{n} torch.compile",
+                2 * x.numel() * 2,
+                graph_ms(fn),
+                copy_gbps,
+                op=name + " compile",
+                shape=f"{m}x{n}",
+            )
 
 
 def norms_backward(results, copy_gbps, sms):
@@ -155,17 +182,46 @@ def norms_backward(results, copy_gbps, sms):
             part = torch.empty((programs, n), device=DEVICE)
             for warps in (4, 8, 16):
                 fn = lambda: norm.norm_bwd_kernel[(programs,)](
-                    dy, x2, w, mean, rstd, dx, part, part, m, n, n, n, n, rows_per,
-                    BLOCK=block, LAYER_NORM=False, num_warps=warps,
+                    dy,
+                    x2,
+                    w,
+                    mean,
+                    rstd,
+                    dx,
+                    part,
+                    part,
+                    m,
+                    n,
+                    n,
+                    n,
+                    n,
+                    rows_per,
+                    BLOCK=block,
+                    LAYER_NORM=False,
+                    num_warps=warps,
                 )
-                report(table, f"rms bwd {m}x{n} {per_sm}/SM w{warps}", 3 * x.numel() * 2,
-                       graph_ms(fn), copy_gbps, shape=f"{m}x{n}", per_sm=per_sm, warps=warps)
+                report(
+                    table,
+                    f"rms bwd {m}x{n} {per_sm}/SM w{warps}",
+                    3 * x.numel() * 2,
+                    graph_ms(fn),
+                    copy_gbps,
+                    shape=f"{m}x{n}",
+                    per_sm=per_sm,
+                    warps=warps,
+                )
         xr = x.detach().requires_grad_()
         wr = w.detach().requires_grad_()
         f = torch.compile(lambda x, w: norm.rms_norm_ref(x, w))
         fwd_bwd = lambda: torch.autograd.grad(f(xr, wr), (xr, wr), dy)
-        report(table, f"rms fwd+bwd {m}x{n} torch.compile (5 tensor passes)", 5 * x.numel() * 2,
-               bench.time_ms(fwd_bwd), copy_gbps, shape=f"{m}x{n}")
+        report(
+            table,
+            f"rms fwd+bwd {m}x{n} torch.compile (5 tensor passes)",
+            5 * x.numel() * 2,
+            bench.time_ms(fwd_bwd),
+            copy_gbps,
+            shape=f"{m}x{n}",
+        )
 
 
 # --- softmax -------------------------------------------------------------------------------
@@ -188,10 +244,8 @@ def softmax_sweep(results, copy_gbps):
         if n >= 16384:
             for block in (2048, 4096, 8192):
                 for warps in (4, 8, 16):
-                    candidates[f"streamed b{block} w{warps}"] = (
-                        lambda block=block, warps=warps: softmax.softmax_streamed_kernel[(m,)](
-                            *args, BLOCK=block, num_warps=warps
-                        )
+                    candidates[f"streamed b{block} w{warps}"] = lambda block=block, warps=warps: (
+                        softmax.softmax_streamed_kernel[(m,)](*args, BLOCK=block, num_warps=warps)
                     )
         for name, fn in candidates.items():
             out.zero_()
@@ -204,9 +258,14 @@ def softmax_sweep(results, copy_gbps):
             report(table, f"softmax {m}x{n} {name}", nbytes, graph_ms(fn), copy_gbps, ok=ok, n=n)
         compiled = torch.compile(lambda: torch.softmax(x, -1))
         report(table, f"softmax {m}x{n} torch.compile", nbytes, graph_ms(compiled), copy_gbps, n=n)
-        report(table, f"softmax {m}x{n} torch.softmax", nbytes, graph_ms(lambda: torch.softmax(x, -1)),
-               copy_gbps, n=n)
-        del x, out, ref
+        report(
+            table,
+            f"softmax {m}x{n} torch.softmax",
+            nbytes,
+            graph_ms(lambda: torch.softmax(x, -1)),
+            copy_gbps,
+            n=n,
+        )
 
 
 # --- bias + GELU -----------------------------------------------------------------------------
@@ -215,14 +274,24 @@ def _erf_fast(u):
     # Abramowitz & Stegun 7.1.26: |error| < 1.5e-7, one exp and one reciprocal
     a = tl.abs(u)
     t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    poly = t * (
+        0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+    )
     e = 1.0 - poly * tl.exp(-a * a)
     return tl.where(u < 0, -e, e)
 
 
 @triton.jit
-def bias_gelu_tiles(x_ptr, b_ptr, out_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+def bias_gelu_tiles(
+    x_ptr,
+    b_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -256,7 +325,9 @@ def bias_gelu_variants(results, copy_gbps):
                 ](x, b, out, x.numel(), n, BLOCK_SIZE=block, num_warps=warps)
                 fn()
                 ok = check.compare(out, ref, op="elementwise", dtype=dtype).ok
-                report(table, f"{tag} flat b{block} w{warps}", nbytes, graph_ms(fn), copy_gbps, ok=ok)
+                report(
+                    table, f"{tag} flat b{block} w{warps}", nbytes, graph_ms(fn), copy_gbps, ok=ok
+                )
         for mode in ("erf", "fast", "none"):
             for bm, bn, warps in ((1, 1024, 4), (4, 1024, 4), (8, 1024, 8)):
                 grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
@@ -264,9 +335,19 @@ def bias_gelu_variants(results, copy_gbps):
                     x, b, out, m, n, BLOCK_M=bm, BLOCK_N=bn, MODE=mode, num_warps=warps
                 )
                 fn()
-                ok = check.compare(out, ref, op="elementwise", dtype=dtype).ok if mode != "none" else None
-                report(table, f"{tag} tiles {mode} {bm}x{bn} w{warps}", nbytes, graph_ms(fn),
-                       copy_gbps, ok=ok)
+                ok = (
+                    check.compare(out, ref, op="elementwise", dtype=dtype).ok
+                    if mode != "none"
+                    else None
+                )
+                report(
+                    table,
+                    f"{tag} tiles {mode} {bm}x{bn} w{warps}",
+                    nbytes,
+                    graph_ms(fn),
+                    copy_gbps,
+                    ok=ok,
+                )
         compiled = torch.compile(lambda: torch.nn.functional.gelu(x + b))
         report(table, f"{tag} torch.compile", nbytes, graph_ms(compiled), copy_gbps)
         report(table, f"{tag} x.clone()", nbytes, graph_ms(lambda: x.clone()), copy_gbps)

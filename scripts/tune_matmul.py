@@ -75,42 +75,56 @@ def launch(config, a, b):
 
 
 @triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program in kernels.matmul's grouped order."""
+    pid = tl.program_id(0)
+    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % tiles_per_group) % group_height, (pid % tiles_per_group) // group_height
+
+
+@triton.jit
 def tma_matmul_kernel(
     a_desc, b_desc, c_desc, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    B_IS_W: tl.constexpr,
 ):  # fmt: skip
     # The same grouped tiles, but each tile arrives by one TMA copy; edges are zero-filled.
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * tiles_n
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (pid % tiles_per_group) % group_height
-    pid_n = (pid % tiles_per_group) // group_height
+    # B_IS_W: b_desc describes W (N, K), an nn.Linear weight, and the product is a @ W.t().
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([pid_m * BLOCK_M, k0])
-        b = b_desc.load([k0, pid_n * BLOCK_N])
+        if B_IS_W:
+            b = b_desc.load([pid_n * BLOCK_N, k0]).T
+        else:
+            b = b_desc.load([k0, pid_n * BLOCK_N])
         acc = tl.dot(a, b, acc)
     c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
 def launch_tma(config, a, b):
+    """TMA tiles of a and b; b may be W.t() (W row-major (N, K)): then W's tiles are loaded."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     (m, k), n = a.shape, b.shape[1]
+    b_is_w = b.stride(0) == 1 and b.stride(1) != 1
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     meta = config.kwargs
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     descs = (
         TensorDescriptor.from_tensor(a, [bm, bk]),
-        TensorDescriptor.from_tensor(b, [bk, bn]),
+        TensorDescriptor.from_tensor(b.t(), [bn, bk])
+        if b_is_w
+        else TensorDescriptor.from_tensor(b, [bk, bn]),
         TensorDescriptor.from_tensor(c, [bm, bn]),
     )
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     tma_matmul_kernel[grid](
-        *descs, m, n, k, num_warps=config.num_warps, num_stages=config.num_stages, **meta
-    )
+        *descs, m, n, k, B_IS_W=b_is_w,
+        num_warps=config.num_warps, num_stages=config.num_stages, **meta,
+    )  # fmt: skip
     return c
 
 
@@ -122,13 +136,7 @@ def wt_matmul_kernel(
 ):  # fmt: skip
     # a @ W.t() with W (N, K) loaded as (BLOCK_N, BLOCK_K) tiles, K-contiguous, and transposed
     # in registers for the dot: the layout an nn.Linear weight has.
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * tiles_n
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (pid % tiles_per_group) % group_height
-    pid_n = (pid % tiles_per_group) // group_height
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -158,44 +166,6 @@ def launch_wt(config, a, b):
     return c
 
 
-@triton.jit
-def tma_wt_kernel(
-    a_desc, w_desc, c_desc, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * tiles_n
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (pid % tiles_per_group) % group_height
-    pid_n = (pid % tiles_per_group) // group_height
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([pid_m * BLOCK_M, k0])
-        w = w_desc.load([pid_n * BLOCK_N, k0])
-        acc = tl.dot(a, w.T, acc)
-    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
-
-
-def launch_tma_wt(config, a, b):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    w = b.t()
-    (m, k), n = a.shape, w.shape[0]
-    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    meta = config.kwargs
-    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
-    descs = (
-        TensorDescriptor.from_tensor(a, [bm, bk]),
-        TensorDescriptor.from_tensor(w, [bn, bk]),
-        TensorDescriptor.from_tensor(c, [bm, bn]),
-    )
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    tma_wt_kernel[grid](*descs, m, n, k, num_warps=config.num_warps, num_stages=config.num_stages, **meta)
-    return c
-
-
 def padded_matmul(a, b, multiple=64):
     """kernels.matmul on zero-padded copies whose rows start 16-byte aligned: every load can
     be a wide one. Zeros in the padding of K add nothing; the padding of N is cut off."""
@@ -214,14 +184,19 @@ def experiments():
     for m, n, k in LLM:
         a, b = operands(torch.bfloat16, m, n, k, True)
         torch_ms = bench.time_ms(torch.matmul, a, b)
-        print(f"\nbf16 {m}x{n}x{k} Wt: torch {bench.achieved_tflops(2 * m * n * k, torch_ms):.0f} TFLOP/s")
-        for kind, fn in (("ptr", launch), ("W tiles", launch_wt), ("TMA W", launch_tma_wt)):
-            results = [(label(c), *measure(functools.partial(fn, c), a, b, torch_ms)) for c in configs]
+        print(
+            f"\nbf16 {m}x{n}x{k} Wt: torch {bench.achieved_tflops(2 * m * n * k, torch_ms):.0f} TFLOP/s"
+        )
+        for kind, fn in (("ptr", launch), ("W tiles", launch_wt), ("TMA W", launch_tma)):
+            results = [
+                (label(c), *measure(functools.partial(fn, c), a, b, torch_ms)) for c in configs
+            ]
             ok = [r for r in results if r[1] is not None]
             best = max(ok, key=lambda r: r[2]) if ok else results[0]
             print(f"  {kind:8} best {best[0]:24} {best[1]} TFLOP/s {best[2]}")
-        a_c, b_c = a, b.contiguous()
-        print(f"  b made contiguous first: {measure(lambda a, b: matmul(a, b.contiguous()), a, b, torch_ms)}")
+        print(
+            f"  b made contiguous first: {measure(lambda a, b: matmul(a, b.contiguous()), a, b, torch_ms)}"
+        )
     m, n, k = IRREGULAR
     a, b = operands(torch.bfloat16, m, n, k, False)
     torch_ms = bench.time_ms(torch.matmul, a, b)
@@ -298,15 +273,15 @@ def main(argv=None) -> int:
     if args.tma:
         variants += [("TMA " + label(c), c, launch_tma) for c in candidates]
     ratios = {name: {} for name, _, _ in variants}
-    for shape_name, dtype_name, (m, n, k), transposed_b in shapes(args.dtypes, args.squares, not args.no_llm):
+    for shape_name, dtype_name, (m, n, k), transposed_b in shapes(
+        args.dtypes, args.squares, not args.no_llm
+    ):
         a, b = operands(bench.DTYPE_NAMES[dtype_name], m, n, k, transposed_b)
         torch_ms = bench.time_ms(torch.matmul, a, b)
         flops = 2 * m * n * k
         print(f"\n{shape_name}: torch.matmul {bench.achieved_tflops(flops, torch_ms):.0f} TFLOP/s")
         rows = []
         for name, config, fn in variants:
-            if fn is launch_tma and transposed_b:
-                continue  # TMA needs a unit last stride; W.t() has it on the other dim
             tflops, ratio = measure(functools.partial(fn, config), a, b, torch_ms)
             if tflops is not None:
                 ratios[name][shape_name] = ratio
