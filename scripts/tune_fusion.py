@@ -1,7 +1,7 @@
 """Tune Chapter 2's memory-bound kernels on a GPU: where their time goes and which launch
 settings move the most bytes per second.
 
-    python scripts/tune_fusion.py [--json OUT]
+    python scripts/tune_fusion.py [--json OUT]    # the H200's: kernels/data/h200/tune_fusion.json
 
 Every candidate is checked against the reference first, then timed twice: as called
 (`bench.time_ms`, launch overhead included) and replayed from a CUDA graph (the GPU's time
@@ -10,6 +10,7 @@ bytes (read x, write y) and % of the copy bandwidth measured in the same run.
 """
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -365,7 +366,8 @@ def main(argv=None) -> int:
     copy = ceilings["copy_gbps"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s, {sms} SMs")
-    results = {"ceilings": ceilings, "meta": kernels.runtime.versions()}
+    results = {"ceilings": ceilings}
+    meta = {**kernels.runtime.versions(), "date": datetime.date.today().isoformat()}
     sections = {
         "overhead": lambda: overhead(results, copy),
         "norm_fwd": lambda: norms_forward(results, copy),
@@ -381,7 +383,8 @@ def main(argv=None) -> int:
         except Exception as exc:  # keep the other sections' numbers
             print(f"section {name} failed: {type(exc).__name__}: {exc}")
         if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
+            record = {"meta": meta, "results": results}  # the layout of kernels/data/<gpu>/*.json
+            Path(args.json).write_text(json.dumps(record, indent=1, default=str) + "\n")
     return 0
 
 

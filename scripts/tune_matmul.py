@@ -263,10 +263,10 @@ def main(argv=None) -> int:
     if not ON_GPU:
         print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing)")
         return 1
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.experiments:
         experiments()
         return 0
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     limit = shared_memory_limit(DEVICE.index or 0)
     candidates = [c for c in CONFIGS + EXTRA_CANDIDATES if shared_memory_bytes(c, 2) <= limit]
     variants = [(label(c), c, launch) for c in candidates]
