@@ -29,6 +29,17 @@ def in_function(function: str, edits):
     return [(f"def {function}(", old, new) for old, new in edits]
 
 
+def run_grader(paths, *options) -> subprocess.CompletedProcess:
+    """`python -m kernels grade PATHS OPTIONS` from the repository root, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "kernels", "grade", *map(str, paths), *options],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
 def grade_submissions(solution: Path, paths, tasks, time_limit=None, jobs: int = 3) -> dict:
     """Grade the submissions at `paths` (from make_submission) on `tasks` in one run of the
     grader, which must report failures: {submission name: {task name: its report}}. No
@@ -39,14 +50,17 @@ def grade_submissions(solution: Path, paths, tasks, time_limit=None, jobs: int =
         options += ["--time-limit", str(time_limit)]
     for task in tasks:
         options += ["--task", task]
-    out = subprocess.run(
-        [sys.executable, "-m", "kernels", "grade", *map(str, paths), *options],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    out = run_grader(paths, *options)
     assert out.returncode == 1, out.stdout + out.stderr
     suffix = f"_{solution.name}"
     reports = {Path(r["path"]).name.removesuffix(suffix): r for r in json.loads(target.read_text())}
     return {name: {t["name"]: t for t in r["tasks"]} for name, r in reports.items()}
+
+
+def grade_cases(solution: Path, folder: Path, cases: dict, tasks, **options) -> dict:
+    """One submission per {name: edits for make_submission} in `folder`, graded together by
+    grade_submissions(**options); every case must be in the report."""
+    paths = [make_submission(solution, folder, name, edits) for name, edits in cases.items()]
+    found = grade_submissions(solution, paths, tasks, **options)
+    assert set(found) == set(cases)
+    return found

@@ -6,12 +6,10 @@ time limit, so the file stays within a couple of minutes on two cores.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-import nbformat
 import pytest
+from bad_submissions import make_submission, run_grader
 
 from kernels.runtime import ON_GPU
 
@@ -66,36 +64,16 @@ VALUE_CASES = {
 }  # fmt: skip
 
 
-def make_submission(folder: Path, name: str, cell: str, edits) -> Path:
-    nb = nbformat.read(SOLUTION, as_version=4)
-    marker = "import math" if cell == "import" else f"def {cell}("
-    (target,) = [
-        c for c in nb.cells if "graded" in c.metadata.get("tags", []) and marker in c.source
-    ]
-    for old, new in edits:
-        assert old in target.source, f"{name}: {old!r} not in the solution's cell"
-        target.source = target.source.replace(old, new, 1)
-    path = folder / f"{name}_lab01_regimes.ipynb"
-    nbformat.write(nb, path)
-    return path
-
-
-def grade(paths, *options):
-    out = subprocess.run(
-        [sys.executable, "-m", "kernels", "grade", *map(str, paths), *options],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    return out
+def submission(folder: Path, name: str, cell: str, edits) -> Path:
+    marker = IMPORTS if cell == "import" else f"def {cell}("
+    return make_submission(SOLUTION, folder, name, [(marker, old, new) for old, new in edits])
 
 
 def batch(tmp_path_factory, cases, *options):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {name: make_submission(folder, name, *spec) for name, spec in cases.items()}
+    paths = {name: submission(folder, name, *spec) for name, spec in cases.items()}
     target = folder / "grades.json"
-    out = grade(
+    out = run_grader(
         paths.values(), "--json", str(target), "--time-limit", TIME_LIMIT, "--jobs", "3", *options
     )
     assert out.returncode == 1, out.stdout + out.stderr

@@ -9,7 +9,7 @@ stays within about a minute on two cores.
 from pathlib import Path
 
 import pytest
-from bad_submissions import grade_submissions, in_function, make_submission
+from bad_submissions import grade_cases, in_function
 
 from kernels.runtime import ON_GPU
 
@@ -58,12 +58,8 @@ def reports(tmp_path_factory):
     """{bad submission: {task: its report}}, one grader run per task."""
     found = {}
     for task in dict.fromkeys(spec[0] for spec in CASES.values()):
-        folder = tmp_path_factory.mktemp(task)
-        names = [name for name, spec in CASES.items() if spec[0] == task]
-        paths = [
-            make_submission(SOLUTION, folder, name, in_function(*CASES[name])) for name in names
-        ]
-        found.update(grade_submissions(SOLUTION, paths, [task], jobs=2))
+        cases = {name: in_function(*spec) for name, spec in CASES.items() if spec[0] == task}
+        found.update(grade_cases(SOLUTION, tmp_path_factory.mktemp(task), cases, [task], jobs=2))
     assert set(found) == set(CASES)
     return found
 

@@ -9,7 +9,7 @@ time limit, so the file stays within about a minute on two cores.
 from pathlib import Path
 
 import pytest
-from bad_submissions import grade_submissions, make_submission
+from bad_submissions import grade_cases
 
 from kernels.runtime import ON_GPU
 
@@ -58,19 +58,15 @@ EPILOGUE_CASES = {
 }  # fmt: skip
 
 
-def submission(folder: Path, name: str, edits) -> Path:
-    markers = [
-        (IMPORTS if cell == "import" else f"def {cell}(", old, new) for cell, old, new in edits
-    ]
-    return make_submission(SOLUTION, folder, name, markers)
+def markers(edits):
+    """(cell, old, new) edits, "import" naming the imports cell, as make_submission's markers."""
+    return [(IMPORTS if cell == "import" else f"def {cell}(", old, new) for cell, old, new in edits]
 
 
 def batch(tmp_path_factory, cases, *tasks):
+    cases = {name: markers(edits) for name, edits in cases.items()}
     folder = tmp_path_factory.mktemp("submissions")
-    paths = [submission(folder, name, edits) for name, edits in cases.items()]
-    found = grade_submissions(SOLUTION, paths, tasks, TIME_LIMIT)
-    assert set(found) == set(cases)
-    return found
+    return grade_cases(SOLUTION, folder, cases, tasks, time_limit=TIME_LIMIT)
 
 
 @pytest.fixture(scope="module")

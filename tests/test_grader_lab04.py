@@ -8,7 +8,7 @@ with a short time limit, only the tasks each one is about.
 from pathlib import Path
 
 import pytest
-from bad_submissions import grade_submissions, in_function, make_submission
+from bad_submissions import grade_cases, in_function
 
 from kernels.runtime import ON_GPU
 
@@ -34,13 +34,9 @@ MASK_CASES = {
 
 
 def batch(tmp_path_factory, cases, *tasks):
+    cases = {name: in_function(*spec) for name, spec in cases.items()}
     folder = tmp_path_factory.mktemp("submissions")
-    paths = [
-        make_submission(SOLUTION, folder, name, in_function(*spec)) for name, spec in cases.items()
-    ]
-    found = grade_submissions(SOLUTION, paths, tasks, TIME_LIMIT)
-    assert set(found) == set(cases)
-    return found
+    return grade_cases(SOLUTION, folder, cases, tasks, time_limit=TIME_LIMIT)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ task it breaks, so the file stays within about a minute on two cores.
 from pathlib import Path
 
 import pytest
-from bad_submissions import grade_submissions, in_function, make_submission
+from bad_submissions import grade_cases, in_function
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab05_batch_invariance.ipynb"
@@ -69,13 +69,9 @@ def reports(tmp_path_factory):
         ["invariant_matmul"],
         ["first_variant_batch", "kv_splits"],
     ):
+        cases = {name: in_function(*spec[1:3]) for name, spec in CASES.items() if spec[0] in tasks}
         folder = tmp_path_factory.mktemp(tasks[0])
-        names = [name for name, spec in CASES.items() if spec[0] in tasks]
-        paths = [
-            make_submission(SOLUTION, folder, name, in_function(*CASES[name][1:3]))
-            for name in names
-        ]
-        found.update(grade_submissions(SOLUTION, paths, tasks, time_limit=60))
+        found.update(grade_cases(SOLUTION, folder, cases, tasks, time_limit=60))
     assert set(found) == set(CASES)
     return found
 
