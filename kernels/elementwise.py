@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validate import check_same, check_tensor
+from kernels.validate import check_row_vector, check_same, check_tensor
 
 BLOCK_SIZE = 1024
 
@@ -56,12 +56,7 @@ def bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_elements, n_cols, BLOCK_SIZE: t
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """GELU(x + bias), bias broadcast over the last dim; exact (erf) GELU, computed in fp32."""
     check_tensor("x", x, min_ndim=1)
-    check_tensor("bias", bias, ndim=1)
-    check_same("x and bias", x, bias, shape=False)
-    if bias.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"bias must have x's last dim: x {tuple(x.shape)}, bias {tuple(bias.shape)}"
-        )
+    check_row_vector("bias", bias, x)
     x, bias = x.contiguous(), bias.contiguous()
     out = torch.empty_like(x)
     n = x.numel()

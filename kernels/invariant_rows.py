@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.runtime import pick
-from kernels.validate import check_same, check_tensor
+from kernels.validate import check_row_vector, check_tensor
 
 # tl.sum and tl.max are tl.reduce with these combine functions (for fp32, the same code on
 # the GPU). Written out because the CPU interpreter pays milliseconds for every call of a
@@ -127,12 +127,7 @@ def _launch(kernel, n_rows, n_cols, *args, **constants):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32."""
     check_tensor("x", x, min_ndim=1)
-    check_tensor("weight", weight, ndim=1)
-    check_same("x and weight", x, weight, shape=False)
-    if weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight must have x's last dim: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
-        )
+    check_row_vector("weight", weight, x)
     x2 = _as_rows(x)
     out = torch.empty_like(x2)
     n_rows, n_cols = x2.shape

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from kernels.runtime import ON_GPU
-from kernels.validate import check_same, check_tensor
+from kernels.validate import check_row_vector, check_tensor
 
 MAX_COLS = 65536  # rows are kept whole in registers; longer ones would need a loop
 
@@ -152,12 +152,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _check(x, eps, **params):
     check_tensor("x", x, min_ndim=1)
     for name, p in params.items():
-        check_tensor(name, p, ndim=1)
-        check_same(f"x and {name}", x, p, shape=False)
-        if p.shape[0] != x.shape[-1]:
-            raise ValueError(
-                f"{name} must have x's last dim: x {tuple(x.shape)}, {name} {tuple(p.shape)}"
-            )
+        check_row_vector(name, p, x)
     if x.shape[-1] > MAX_COLS:
         raise ValueError(f"rows longer than {MAX_COLS} are not supported, got {tuple(x.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):

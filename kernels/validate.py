@@ -46,3 +46,14 @@ def check_same(names: str, *tensors, shape: bool = True):
             raise ValueError(
                 f"{names} must have the same shape, got {[tuple(x.shape) for x in tensors]}"
             )
+
+
+def check_row_vector(name: str, p, x):
+    """A 1-D tensor with x's dtype and device and one value per column of x (the last dim):
+    a bias, a norm's weight."""
+    check_tensor(name, p, ndim=1)
+    check_same(f"x and {name}", x, p, shape=False)
+    if p.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{name} must have x's last dim: x {tuple(x.shape)}, {name} {tuple(p.shape)}"
+        )
