@@ -50,6 +50,29 @@ def time_ms(fn, *args, **kwargs) -> float:
     return _cpu_median_ms(call)
 
 
+def graph_ms(fn) -> float:
+    """GPU milliseconds of fn() replayed from a CUDA graph: no Python, no launch overhead.
+    GPU only; set against time_ms(fn), the gap is the host's cost of the call."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
+def cpu_us_per_call(fn, calls=2000) -> float:
+    """Microseconds of host time per call, with the GPU kept busy enough not to block."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
 def _cpu_median_ms(call, budget_s: float = 0.2, max_runs: int = 1000) -> float:
     call()  # warm-up: first-call costs (allocation, dispatch caches) stay out
     samples, start = [], time.perf_counter()

@@ -11,10 +11,35 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import INTERPRET
+from kernels.runtime import INTERPRET, ON_GPU
 from kernels.validate import check_same, check_tensor
 
 ACTIVATIONS = (None, "gelu", "relu")
+
+
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n): the tile of c this program computes, in grouped order. Consecutive
+    programs walk down a column of GROUP_M tiles before moving right, so the rows of a and
+    columns of b they share are still in L2 when read again."""
+    pid = tl.program_id(0)
+    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    in_group = pid % tiles_per_group
+    return first_m + in_group % group_height, in_group // group_height
+
+
+@triton.jit
+def epilogue(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """act(acc + bias) on the fp32 tile while it is still in registers."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == "gelu":  # exact GELU: z * Phi(z) = 0.5 z (1 + erf(z / sqrt(2)))
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+    elif ACTIVATION == "relu":
+        acc = tl.maximum(acc, 0.0)
+    return acc
 
 
 @triton.jit
@@ -24,18 +49,7 @@ def matmul_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Grouped order: consecutive programs walk down a column of GROUP_M tiles before moving
-    # right, so the rows of a and columns of b they share are still in L2 when read again.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * tiles_n
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_height = tl.minimum(tiles_m - first_m, GROUP_M)
-    in_group = pid % tiles_per_group
-    pid_m = first_m + in_group % group_height
-    pid_n = in_group // group_height
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -54,16 +68,35 @@ def matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # Epilogue, on the fp32 tile while it is still in registers.
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
-    if ACTIVATION == "gelu":  # exact GELU: z * Phi(z) = 0.5 z (1 + erf(z / sqrt(2)))
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-    elif ACTIVATION == "relu":
-        acc = tl.maximum(acc, 0.0)
+    acc = epilogue(acc, bias_ptr, cols, N, HAS_BIAS, ACTIVATION)
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def matmul_tma_kernel(
+    a_desc, b_desc, c_desc, bias_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    B_IS_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # The same tiles in the same order, but each slab arrives by one TMA copy (Hopper's tensor
+    # memory accelerator): no address arithmetic in the threads, and the hardware zero-fills
+    # what lies past the edges, so there are no masks. B_IS_W: b_desc describes W (N, K), the
+    # layout of an nn.Linear weight, and the product is a @ W.t(); its slabs are K-contiguous.
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        if B_IS_W:
+            b = b_desc.load([pid_n * BLOCK_N, k0]).T
+        else:
+            b = b_desc.load([k0, pid_n * BLOCK_N])
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = epilogue(acc, bias_ptr, cols, N, HAS_BIAS, ACTIVATION)
+    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))  # clipped at the edges
 
 
 def tile_config(block_m, block_n, block_k, num_warps, num_stages, group_m=8):
@@ -117,7 +150,7 @@ def configs_to_try(configs, m: int, n: int, element_size: int, limit: int):
 
 
 def _prune(configs, named_args, **kwargs):
-    a = named_args["a_ptr"]
+    a = named_args["a_ptr"] if "a_ptr" in named_args else named_args["a_desc"].base
     limit = shared_memory_limit(a.device.index)
     return configs_to_try(configs, named_args["M"], named_args["N"], a.element_size(), limit)
 
@@ -127,6 +160,26 @@ matmul_kernel_autotuned = triton.autotune(
     key=["M", "N", "K", "INPUT_PRECISION"],  # the autotuner adds the dtypes itself
     prune_configs_by={"early_config_prune": _prune},
 )(matmul_kernel)
+
+
+def set_tma_blocks(nargs):
+    """Before each launch: the descriptors' block shapes are the config's tile and slabs."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_IS_W"] else [bk, bn]
+    nargs["c_desc"].block_shape = [bm, bn]
+
+
+TMA_CONFIGS = [
+    triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=set_tma_blocks)
+    for c in CONFIGS
+]
+matmul_tma_autotuned = triton.autotune(
+    configs=TMA_CONFIGS,
+    # descriptors carry no dtype the autotuner sees; bias_ptr (c itself without a bias) does
+    key=["M", "N", "K", "INPUT_PRECISION", "B_IS_W"],
+    prune_configs_by={"early_config_prune": _prune},
+)(matmul_tma_kernel)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -169,23 +222,97 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torc
     if not INTERPRET and M * N * K >= PAD_MIN_WORK and not _aligned(a, b):
         a, b, bias = pad_operands(a, b, bias)
         return matmul(a, b, bias, activation)[:, :N].contiguous()
+    return _launch(a, b, bias, activation, tma=uses_tma(a, b))
+
+
+def matmul_tma(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """matmul through the TMA kernel, whatever the size (kernels.matmul picks it by itself
+    where it pays): a and b row-major with 16-byte aligned rows, or b = W.t() for a row-major
+    W (N, K). Runs on Hopper and later, and in the interpreter."""
+    check_matmul_inputs(a, b, bias, activation)
+    problem = tma_problem(a, b)
+    if problem:
+        raise ValueError(f"the TMA kernel cannot load these operands: {problem}")
+    return _launch(a, b, bias, activation, tma=True)
+
+
+def _tiles(M, N, meta) -> int:
+    return triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+
+
+def _launch(a, b, bias, activation, tma: bool):
+    (M, K), N = a.shape, b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
     has_bias = bias is not None
     bias = bias.contiguous() if has_bias else c  # without a bias, c stands in and is never read
-    args = (a, b, c, bias, M, N, K, *a.stride(), *b.stride(), *c.stride())
     flags = {
         "HAS_BIAS": has_bias,
         "ACTIVATION": activation or "none",
         "INPUT_PRECISION": input_precision(a.dtype),
     }
+    if tma:
+        flags["B_IS_W"] = b_is_w = b.stride(1) != 1
+        args = (*tma_descriptors(a, b, c, b_is_w), bias, M, N, K)
+        kernel, autotuned = matmul_tma_kernel, matmul_tma_autotuned
+    else:
+        args = (a, b, c, bias, M, N, K, *a.stride(), *b.stride(), *c.stride())
+        kernel, autotuned = matmul_kernel, matmul_kernel_autotuned
     if INTERPRET:
         meta = INTERPRETER_CONFIG.kwargs
-        grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        matmul_kernel[grid](*args, **flags, **meta)
+        kernel[(_tiles(M, N, meta),)](*args, **flags, **meta)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        matmul_kernel_autotuned[grid](*args, **flags)
+        autotuned[lambda meta: (_tiles(M, N, meta),)](*args, **flags)
     return c
+
+
+# The TMA copies whole tiles between global and shared memory given a descriptor: the base
+# address, the shape, the strides and the tile's shape. It needs 16-byte aligned base and row
+# strides and a contiguous last dim. On an H200 it raised x @ W.t() on LLM layer shapes from
+# 0.79-0.85x cuBLAS (pointer loads) to 0.83-0.97x (scripts/tune_matmul.py --experiments).
+TMA_DTYPES = (torch.float16, torch.bfloat16)
+TMA_MIN_WORK = 1 << 31  # M*N*K below this: launch-bound, and building descriptors costs host time
+TMA_GPU = ON_GPU and not INTERPRET and torch.cuda.get_device_capability()[0] >= 9
+
+
+def tma_problem(a, b) -> str:
+    """Why the TMA kernel cannot take a @ b, or "" when it can."""
+    es = a.element_size()
+    rows_ok = lambda t, dim: t.stride(1 - dim) == 1 and (t.stride(dim) * es) % 16 == 0
+    if not rows_ok(a, 0):
+        return f"a needs contiguous rows of 16-byte multiples, got strides {a.stride()}"
+    if not (rows_ok(b, 0) or rows_ok(b, 1)):  # b (K, N) row-major, or b = W.t()
+        return f"b must be row-major or W.t() with 16-byte aligned rows, got strides {b.stride()}"
+    if (b.shape[1] * es) % 16:
+        return f"the output's rows of {b.shape[1]} elements are not a multiple of 16 bytes"
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        return "a and b must start at 16-byte aligned addresses"
+    return ""
+
+
+def uses_tma(a, b) -> bool:
+    """Whether kernels.matmul sends a @ b to the TMA kernel: fp16/bf16 on Hopper or later,
+    problems big enough to be compute-bound, operands the TMA can read."""
+    M, K, N = *a.shape, b.shape[1]
+    return TMA_GPU and a.dtype in TMA_DTYPES and M * N * K >= TMA_MIN_WORK and not tma_problem(a, b)
+
+
+def tma_descriptors(a, b, c, b_is_w: bool):
+    """Host-side descriptors of a, b (or W = b.t()) and c, with the interpreter's tile shape:
+    on a GPU each config's pre-hook (set_tma_blocks) resets it before launching."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    meta = INTERPRETER_CONFIG.kwargs
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    b_desc = (
+        TensorDescriptor.from_tensor(b.t(), [bn, bk])
+        if b_is_w
+        else TensorDescriptor.from_tensor(b, [bk, bn])
+    )
+    return (
+        TensorDescriptor.from_tensor(a, [bm, bk]),
+        b_desc,
+        TensorDescriptor.from_tensor(c, [bm, bn]),
+    )
 
 
 # Triton specializes an integer argument divisible by 16 and vectorizes loads along rows whose

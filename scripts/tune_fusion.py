@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
@@ -25,28 +24,6 @@ import triton.language as tl
 
 from kernels import bench, check, elementwise, norm, softmax
 from kernels.runtime import DEVICE, ON_GPU
-
-
-def graph_ms(fn) -> float:
-    """GPU milliseconds of fn() replayed from a CUDA graph: no Python, no launch overhead."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench.time_ms(graph.replay)
-
-
-def cpu_us_per_call(fn, calls=2000) -> float:
-    """Microseconds of host time per call, with the GPU kept busy enough not to block."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
 
 
 def report(table, name, nbytes, ms, copy_gbps, **extra):
@@ -85,12 +62,12 @@ def overhead(results, copy_gbps):
     for name, (ours, theirs) in ops.items():
         row = {
             "op": name,
-            "host_us_ours": cpu_us_per_call(lambda: ours(tiny, w, b)),
-            "host_us_torch": cpu_us_per_call(lambda: theirs(tiny, w, b)),
+            "host_us_ours": bench.cpu_us_per_call(lambda: ours(tiny, w, b)),
+            "host_us_torch": bench.cpu_us_per_call(lambda: theirs(tiny, w, b)),
             "bench_ms_ours": bench.time_ms(ours, big, w, b),
-            "graph_ms_ours": graph_ms(lambda: ours(big, w, b)),
+            "graph_ms_ours": bench.graph_ms(lambda: ours(big, w, b)),
             "bench_ms_torch": bench.time_ms(theirs, big, w, b),
-            "graph_ms_torch": graph_ms(lambda: theirs(big, w, b)),
+            "graph_ms_torch": bench.graph_ms(lambda: theirs(big, w, b)),
         }
         rows.append(row)
         print(
@@ -108,7 +85,7 @@ def overhead(results, copy_gbps):
     }
     out = torch.empty_like(tiny)
     rstd = torch.empty(1, device=DEVICE)
-    results["pieces_us"] = {k: cpu_us_per_call(f) for k, f in pieces.items()}
+    results["pieces_us"] = {k: bench.cpu_us_per_call(f) for k, f in pieces.items()}
     print("  pieces (host us):", {k: round(v, 1) for k, v in results["pieces_us"].items()})
 
 
@@ -145,7 +122,7 @@ def norms_forward(results, copy_gbps):
                     table,
                     f"{name} {m}x{n} w{warps}",
                     2 * x.numel() * 2,
-                    graph_ms(fn),
+                    bench.graph_ms(fn),
                     copy_gbps,
                     ok=ok,
                     op=name,
@@ -161,7 +138,7 @@ def norms_forward(results, copy_gbps):
                 table,
                 f"{name} {m}x{n} torch.compile",
                 2 * x.numel() * 2,
-                graph_ms(fn),
+                bench.graph_ms(fn),
                 copy_gbps,
                 op=name + " compile",
                 shape=f"{m}x{n}",
@@ -205,7 +182,7 @@ def norms_backward(results, copy_gbps, sms):
                     table,
                     f"rms bwd {m}x{n} {per_sm}/SM w{warps}",
                     3 * x.numel() * 2,
-                    graph_ms(fn),
+                    bench.graph_ms(fn),
                     copy_gbps,
                     shape=f"{m}x{n}",
                     per_sm=per_sm,
@@ -256,14 +233,23 @@ def softmax_sweep(results, copy_gbps):
                 print(f"  {n} {name}: {type(exc).__name__} {str(exc)[:80]}")
                 continue
             ok = check.compare(out, ref, op="reduction", dtype=x.dtype).ok
-            report(table, f"softmax {m}x{n} {name}", nbytes, graph_ms(fn), copy_gbps, ok=ok, n=n)
+            report(
+                table, f"softmax {m}x{n} {name}", nbytes, bench.graph_ms(fn), copy_gbps, ok=ok, n=n
+            )
         compiled = torch.compile(lambda: torch.softmax(x, -1))
-        report(table, f"softmax {m}x{n} torch.compile", nbytes, graph_ms(compiled), copy_gbps, n=n)
+        report(
+            table,
+            f"softmax {m}x{n} torch.compile",
+            nbytes,
+            bench.graph_ms(compiled),
+            copy_gbps,
+            n=n,
+        )
         report(
             table,
             f"softmax {m}x{n} torch.softmax",
             nbytes,
-            graph_ms(lambda: torch.softmax(x, -1)),
+            bench.graph_ms(lambda: torch.softmax(x, -1)),
             copy_gbps,
             n=n,
         )
@@ -327,7 +313,12 @@ def bias_gelu_variants(results, copy_gbps):
                 fn()
                 ok = check.compare(out, ref, op="elementwise", dtype=dtype).ok
                 report(
-                    table, f"{tag} flat b{block} w{warps}", nbytes, graph_ms(fn), copy_gbps, ok=ok
+                    table,
+                    f"{tag} flat b{block} w{warps}",
+                    nbytes,
+                    bench.graph_ms(fn),
+                    copy_gbps,
+                    ok=ok,
                 )
         for mode in ("erf", "fast", "none"):
             for bm, bn, warps in ((1, 1024, 4), (4, 1024, 4), (8, 1024, 8)):
@@ -345,13 +336,13 @@ def bias_gelu_variants(results, copy_gbps):
                     table,
                     f"{tag} tiles {mode} {bm}x{bn} w{warps}",
                     nbytes,
-                    graph_ms(fn),
+                    bench.graph_ms(fn),
                     copy_gbps,
                     ok=ok,
                 )
         compiled = torch.compile(lambda: torch.nn.functional.gelu(x + b))
-        report(table, f"{tag} torch.compile", nbytes, graph_ms(compiled), copy_gbps)
-        report(table, f"{tag} x.clone()", nbytes, graph_ms(lambda: x.clone()), copy_gbps)
+        report(table, f"{tag} torch.compile", nbytes, bench.graph_ms(compiled), copy_gbps)
+        report(table, f"{tag} x.clone()", nbytes, bench.graph_ms(lambda: x.clone()), copy_gbps)
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,7 @@ on the benchmark's shapes, against torch.matmul (cuBLAS) on the same inputs.
 
     python scripts/tune_matmul.py                   # bf16 and fp16, all candidates
     python scripts/tune_matmul.py --dtypes bf16 --tma
+    python scripts/tune_matmul.py --paths           # pointer against TMA kernel, host costs
 
 Prints, per shape, each config's TFLOP/s and its ratio to torch.matmul (best marked *), the
 autotuned kernels.matmul on the same shapes, and a short list of configs that together stay
@@ -25,11 +26,19 @@ import kernels  # noqa: F401  (fixes the mode before kernels are defined)
 from kernels import bench, check
 from kernels.matmul import (
     CONFIGS,
+    _launch,
+    check_matmul_inputs,
+    grouped_tile,
     matmul,
     matmul_kernel,
+    matmul_kernel_autotuned,
+    matmul_tma_kernel,
+    set_tma_blocks,
     shared_memory_bytes,
     shared_memory_limit,
     tile_config,
+    tma_descriptors,
+    tma_problem,
 )
 from kernels.runtime import DEVICE, ON_GPU
 
@@ -74,56 +83,19 @@ def launch(config, a, b):
     return c
 
 
-@triton.jit
-def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program in kernels.matmul's grouped order."""
-    pid = tl.program_id(0)
-    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    return first_m + (pid % tiles_per_group) % group_height, (pid % tiles_per_group) // group_height
-
-
-@triton.jit
-def tma_matmul_kernel(
-    a_desc, b_desc, c_desc, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    B_IS_W: tl.constexpr,
-):  # fmt: skip
-    # The same grouped tiles, but each tile arrives by one TMA copy; edges are zero-filled.
-    # B_IS_W: b_desc describes W (N, K), an nn.Linear weight, and the product is a @ W.t().
-    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([pid_m * BLOCK_M, k0])
-        if B_IS_W:
-            b = b_desc.load([pid_n * BLOCK_N, k0]).T
-        else:
-            b = b_desc.load([k0, pid_n * BLOCK_N])
-        acc = tl.dot(a, b, acc)
-    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
-
-
 def launch_tma(config, a, b):
-    """TMA tiles of a and b; b may be W.t() (W row-major (N, K)): then W's tiles are loaded."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    """kernels.matmul's TMA kernel with one config; b may be W.t() (W row-major (N, K))."""
     (m, k), n = a.shape, b.shape[1]
-    b_is_w = b.stride(0) == 1 and b.stride(1) != 1
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    b_is_w = b.stride(1) != 1
+    descs = tma_descriptors(a, b, c, b_is_w)
     meta = config.kwargs
-    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
-    descs = (
-        TensorDescriptor.from_tensor(a, [bm, bk]),
-        TensorDescriptor.from_tensor(b.t(), [bn, bk])
-        if b_is_w
-        else TensorDescriptor.from_tensor(b, [bk, bn]),
-        TensorDescriptor.from_tensor(c, [bm, bn]),
+    set_tma_blocks(
+        {"a_desc": descs[0], "b_desc": descs[1], "c_desc": descs[2], "B_IS_W": b_is_w, **meta}
     )
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    tma_matmul_kernel[grid](
-        *descs, m, n, k, B_IS_W=b_is_w,
-        num_warps=config.num_warps, num_stages=config.num_stages, **meta,
+    matmul_tma_kernel[(triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](
+        *descs, c, m, n, k, HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="tf32",
+        B_IS_W=b_is_w, num_warps=config.num_warps, num_stages=config.num_stages, **meta,
     )  # fmt: skip
     return c
 
@@ -206,6 +178,77 @@ def experiments():
     print(f"  padded to 8: {measure(functools.partial(padded_matmul, multiple=8), a, b, torch_ms)}")
 
 
+def paths():
+    """Every sweep shape through both autotuned kernels (pointer loads, TMA) and through the
+    dispatching kernels.matmul; TF32 by layout; where the time of a small matmul goes."""
+    for shape_name, dtype_name, (m, n, k), transposed_b in shapes(["bf16", "fp16"]):
+        a, b = operands(bench.DTYPE_NAMES[dtype_name], m, n, k, transposed_b)
+        torch_ms = bench.time_ms(torch.matmul, a, b)
+        print(f"\n{shape_name}: torch {bench.achieved_tflops(2 * m * n * k, torch_ms):.0f} TFLOP/s")
+        print(
+            f"  pointer  {fmt(measure(lambda a, b: _launch(a, b, None, None, tma=False), a, b, torch_ms))}"
+        )
+        if not tma_problem(a, b):
+            print(
+                f"  TMA      {fmt(measure(lambda a, b: _launch(a, b, None, None, tma=True), a, b, torch_ms))}"
+            )
+        print(f"  matmul   {fmt(measure(matmul, a, b, torch_ms))}")
+        del a, b
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        for transposed_b in (False, True):
+            a, b = operands(torch.float32, 4096, 4096, 4096, transposed_b)
+            torch_ms = bench.time_ms(torch.matmul, a, b)
+            layout = "b = W.t() (K-major)" if transposed_b else "b row-major (N-major)"
+            print(
+                f"\nfp32 TF32 4096^3, {layout}: torch {bench.achieved_tflops(2 * 4096**3, torch_ms):.0f} TFLOP/s"
+            )
+            for tma in (False, True):
+                fn = lambda a, b, tma=tma: _launch(a, b, None, None, tma=tma)
+                print(f"  {'TMA' if tma else 'pointer':8} {fmt(measure(fn, a, b, torch_ms))}")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    print("\nWhere a small matmul's time goes (us; 'graph' = replayed from a CUDA graph):")
+    for m, n, k in ((1024, 1024, 1024), (2048, 2048, 2048), (16, 4096, 4096)):
+        a, b = operands(torch.bfloat16, m, n, k, False)
+        c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+        matmul(a, b)  # tuned
+        args = (a, b, c, c, m, n, k, *a.stride(), *b.stride(), *c.stride())
+        flags = {"HAS_BIAS": False, "ACTIVATION": "none", "INPUT_PRECISION": "tf32"}
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        timings = {
+            "torch.matmul": bench.time_ms(torch.matmul, a, b),
+            "torch.matmul graph": bench.graph_ms(lambda: torch.matmul(a, b)),
+            "kernels.matmul": bench.time_ms(matmul, a, b),
+            "kernels.matmul graph": bench.graph_ms(lambda: matmul(a, b)),
+        }
+        host = {
+            "host: torch.matmul": bench.cpu_us_per_call(lambda: torch.matmul(a, b)),
+            "host: kernels.matmul": bench.cpu_us_per_call(lambda: matmul(a, b)),
+            "host: validation": bench.cpu_us_per_call(lambda: check_matmul_inputs(a, b)),
+            "host: autotuned launch": bench.cpu_us_per_call(
+                lambda: matmul_kernel_autotuned[grid](*args, **flags)
+            ),
+        }
+        best = matmul_kernel_autotuned.best_config
+        fixed = best.all_kwargs()
+        host["host: fixed-config launch"] = bench.cpu_us_per_call(
+            lambda: matmul_kernel[grid(fixed)](*args, **flags, **fixed)
+        )
+        print(
+            f"  {m}x{n}x{k} ({label(best)}): "
+            + ", ".join(f"{k_} {v * 1e3:.1f}" for k_, v in timings.items())
+            + "; "
+            + ", ".join(f"{k_} {v:.1f}" for k_, v in host.items())
+        )
+
+
+def fmt(result):
+    tflops, ratio = result
+    return ratio if tflops is None else f"{tflops:6.0f} TFLOP/s  {ratio:5.2f}x torch"
+
+
 def measure(fn, a, b, torch_ms):
     """(TFLOP/s, ratio to torch) after checking the result, or (None, reason)."""
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
@@ -259,6 +302,7 @@ def main(argv=None) -> int:
     parser.add_argument("--squares", nargs="*", type=int, default=SQUARES, help="square sizes")
     parser.add_argument("--no-llm", action="store_true", help="skip LLM, decode, odd shapes")
     parser.add_argument("--experiments", action="store_true", help="layout experiments only")
+    parser.add_argument("--paths", action="store_true", help="pointer against TMA, host costs")
     args = parser.parse_args(argv)
     if not ON_GPU:
         print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing)")
@@ -266,6 +310,9 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.experiments:
         experiments()
+        return 0
+    if args.paths:
+        paths()
         return 0
     limit = shared_memory_limit(DEVICE.index or 0)
     candidates = [c for c in CONFIGS + EXTRA_CANDIDATES if shared_memory_bytes(c, 2) <= limit]

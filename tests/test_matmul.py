@@ -8,8 +8,11 @@ from kernels.matmul import (
     input_precision,
     matmul,
     matmul_ref,
+    matmul_tma,
     pad_operands,
     shared_memory_bytes,
+    tma_problem,
+    uses_tma,
 )
 from kernels.runtime import DEVICE
 
@@ -42,11 +45,11 @@ def torch_same_dtype(a, b, bias=None, activation=None):
     return getattr(torch.nn.functional, activation)(out) if activation else out
 
 
-def check_matmul(a, b, bias=None, activation=None):
+def check_matmul(a, b, bias=None, activation=None, fn=matmul):
     """The kernel against fp64; 16-bit results may also be within 2x torch's own error."""
     a0, b0 = a.clone(), b.clone()
     with check.poisoned_allocations():
-        out = matmul(a, b, bias, activation)
+        out = fn(a, b, bias, activation)
     bias64 = None if bias is None else bias.double()
     ref = matmul_ref(a.double(), b.double(), bias64, activation)
     baseline = None if a.dtype == torch.float32 else torch_same_dtype(a, b, bias, activation)
@@ -185,11 +188,59 @@ def test_gpu_fp32_is_ieee_unless_tf32_is_allowed():
 
 
 @pytest.mark.gpu
-def test_gpu_64_bit_offsets():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)  # TMA, pointers
+def test_gpu_64_bit_offsets(dtype):
     m, n, k = (1 << 21) + 64, 16, 1024  # a has more than 2**31 elements
-    a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
+    a = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    b = torch.randn(k, n, device=DEVICE, dtype=dtype)
     out = matmul(a, b)
     tail = slice(m - 64, m)
     ref = matmul_ref(a[tail].double(), b.double())
     check.assert_close(out[tail], ref, op="matmul", baseline=torch_same_dtype(a[tail], b))
+
+
+# The TMA kernel: shapes whose rows are 16-byte multiples (the TMA's rule), K and M not
+# multiples of the block (the TMA zero-fills past the edges), b row-major or W.t().
+TMA_SHAPES = [(1, 8, 8), (37, 40, 72), (70, 104, 40), (129, 8, 264)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b_is_w", [False, True], ids=["b", "W.t()"])
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tma_kernel_matches_fp64_reference(shape, b_is_w, dtype):
+    m, n, k = shape
+    a, b = operands(m, n, k, dtype, seed=20)
+    if b_is_w:
+        b = b.t().contiguous().t()  # the same values, stored as W (N, K)
+    bias = check.random_tensor((n,), dtype, seed=21)
+    assert not tma_problem(a, b)
+    check_matmul(a, b, fn=matmul_tma)
+    check_matmul(a, b, bias, "gelu", fn=matmul_tma)
+
+
+def test_tma_refuses_operands_it_cannot_load():
+    a, b = operands(8, 8, 8, torch.float32, seed=22)
+    wide, _ = operands(8, 16, 9, torch.float32, seed=23)  # views into rows of 9 and 16 floats
+    cases = {
+        "a needs contiguous rows of 16-byte multiples": (wide[:, :8], b),
+        "b must be row-major or W.t()": (a, b.new_ones(8, 16)[:, ::2]),
+        "the output's rows of 7 elements": (a, b[:, :7]),
+    }
+    for message, (x, y) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            matmul_tma(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_is_w", [False, True], ids=["b", "W.t()"])
+def test_gpu_large_16_bit_problems_go_through_tma_on_hopper(b_is_w):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA needs Hopper (sm_90) or later")
+    m, n, k = 1500, 2048, 1032  # M*N*K over TMA_MIN_WORK; M and K not multiples of a tile
+    a, b = operands(m, n, k, torch.bfloat16, seed=23)
+    if b_is_w:
+        b = b.t().contiguous().t()
+    assert uses_tma(a, b)
+    assert not uses_tma(a.float(), b.float())  # fp32 stays on the pointer kernel
+    bias = check.random_tensor((n,), torch.bfloat16, seed=24)
+    check_matmul(a, b, bias, "gelu")
