@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
+import kernels  # noqa: F401, I001  (fixes the mode before kernels are defined)
 import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes the mode before kernels are defined)
 from kernels import bench, check
 from kernels.matmul import (
     CONFIGS,
