@@ -4,6 +4,7 @@ import torch
 from kernels import check
 from kernels.matmul import (
     CONFIGS,
+    chosen_config,
     configs_to_try,
     input_precision,
     matmul,
@@ -146,7 +147,9 @@ def test_autotuning_tries_configs_that_fit_and_pay_off():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1000, 4097, 129), (257, 3, 4096)], ids=str)
 def test_gpu_sizes_that_are_not_multiples_of_anything(shape, dtype):
-    check_matmul(*operands(*shape, dtype, seed=8))
+    a, b = operands(*shape, dtype, seed=8)
+    check_matmul(a, b)  # the autotuner picks a config
+    check_matmul(a, b)  # the chosen config, launched directly
 
 
 def test_padded_operands_hold_the_same_product():
@@ -243,4 +246,8 @@ def test_gpu_large_16_bit_problems_go_through_tma_on_hopper(b_is_w):
     assert uses_tma(a, b)
     assert not uses_tma(a.float(), b.float())  # fp32 stays on the pointer kernel
     bias = check.random_tensor((n,), torch.bfloat16, seed=24)
-    check_matmul(a, b, bias, "gelu")
+    assert chosen_config(a, b, bias, "gelu") == (None, True)  # not tuned yet
+    check_matmul(a, b, bias, "gelu")  # tunes, then launches through the autotuner
+    config, tma = chosen_config(a, b, bias, "gelu")
+    assert tma and config is not None
+    check_matmul(a, b, bias, "gelu")  # launches with the chosen config directly
