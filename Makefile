@@ -51,15 +51,20 @@ record: setup
 
 # On a GPU machine (no network needed): GPU tests, benchmarks, chapters re-recorded, all packed
 # into $(OUT)/gpu-record.tar.gz. Needs torch, triton, pytest, nbclient, ipykernel, nbval.
+# One chapter's share: make gpu-record GPU_TESTS=tests/test_matmul.py BENCH_NAMES=matmul
+#   NOTEBOOKS=chapters/03_matmul.ipynb (the named benchmarks' rows are merged into bench.json).
+GPU_TESTS ?= tests
+BENCH_NAMES ?=
 gpu-record:
 	mkdir -p $(OUT)/logs
 	export PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1; set -o pipefail; \
 	$(GPU_PY) -m kernels doctor 2>&1 | tee $(OUT)/logs/doctor.txt; \
-	$(GPU_PY) -m pytest -p no:cacheprovider -m "not book" -k "not recorded_from_the_current_code" tests 2>&1 | tee $(OUT)/logs/pytest.txt; \
+	$(GPU_PY) -m pytest -p no:cacheprovider -m "not book" -k "not recorded_from_the_current_code" $(GPU_TESTS) 2>&1 | tee $(OUT)/logs/pytest.txt; \
 	tests_rc=$$?; \
 	gpu=$$($(GPU_PY) -c 'import torch; from kernels.bench import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))'); \
 	mkdir -p kernels/data/$$gpu; \
-	$(GPU_PY) -m kernels bench --json kernels/data/$$gpu/bench.json 2>&1 | tee $(OUT)/logs/bench.txt; \
+	$(GPU_PY) -m kernels bench $(BENCH_NAMES) --json kernels/data/$$gpu/bench.json \
+	  $(if $(BENCH_NAMES),--update) 2>&1 | tee $(OUT)/logs/bench.txt; \
 	record_rc=0; \
 	if [ -n "$(NOTEBOOKS)" ]; then \
 	  $(GPU_PY) -m kernels record $(NOTEBOOKS) 2>&1 | tee $(OUT)/logs/record.txt; record_rc=$$?; \

@@ -211,29 +211,37 @@ def check_matmul_inputs(a, b, bias=None, activation=None):
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu"
-    (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype."""
+    (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype. On Hopper,
+    large fp16/bf16 problems go through the TMA kernel (uses_tma), the rest through pointers."""
+    return _matmul(a, b, bias, activation, kernel=None)
+
+
+def matmul_tma(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """matmul through the TMA kernel, whatever the size: a and b row-major with 16-byte
+    aligned rows, or b = W.t() for a row-major W (N, K). Hopper and later, or the interpreter."""
+    return _matmul(a, b, bias, activation, kernel="tma")
+
+
+def matmul_pointers(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """matmul through the pointer kernel (matmul_kernel), whatever the size."""
+    return _matmul(a, b, bias, activation, kernel="pointers")
+
+
+def _matmul(a, b, bias, activation, kernel):
     check_matmul_inputs(a, b, bias, activation)
     (M, K), N = a.shape, b.shape[1]
+    if kernel == "tma" and (problem := tma_problem(a, b)):
+        raise ValueError(f"the TMA kernel cannot load these operands: {problem}")
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     if K == 0:  # an empty sum: zeros, then the epilogue
         acc = torch.zeros((M, N), dtype=torch.float32, device=a.device)
         return _epilogue_ref(acc, bias, activation).to(a.dtype)
-    if not INTERPRET and M * N * K >= PAD_MIN_WORK and not _aligned(a, b):
+    if kernel is None and not INTERPRET and M * N * K >= PAD_MIN_WORK and not _aligned(a, b):
         a, b, bias = pad_operands(a, b, bias)
         return matmul(a, b, bias, activation)[:, :N].contiguous()
-    return _launch(a, b, bias, activation, tma=uses_tma(a, b))
-
-
-def matmul_tma(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
-    """matmul through the TMA kernel, whatever the size (kernels.matmul picks it by itself
-    where it pays): a and b row-major with 16-byte aligned rows, or b = W.t() for a row-major
-    W (N, K). Runs on Hopper and later, and in the interpreter."""
-    check_matmul_inputs(a, b, bias, activation)
-    problem = tma_problem(a, b)
-    if problem:
-        raise ValueError(f"the TMA kernel cannot load these operands: {problem}")
-    return _launch(a, b, bias, activation, tma=True)
+    tma = uses_tma(a, b) if kernel is None else kernel == "tma"
+    return _launch(a, b, bias, activation, tma)
 
 
 def _tiles(M, N, meta) -> int:

@@ -194,21 +194,7 @@ def paths():
             )
         print(f"  matmul   {fmt(measure(matmul, a, b, torch_ms))}")
         del a, b
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        for transposed_b in (False, True):
-            a, b = operands(torch.float32, 4096, 4096, 4096, transposed_b)
-            torch_ms = bench.time_ms(torch.matmul, a, b)
-            layout = "b = W.t() (K-major)" if transposed_b else "b row-major (N-major)"
-            print(
-                f"\nfp32 TF32 4096^3, {layout}: torch {bench.achieved_tflops(2 * 4096**3, torch_ms):.0f} TFLOP/s"
-            )
-            for tma in (False, True):
-                fn = lambda a, b, tma=tma: _launch(a, b, None, None, tma=tma)
-                print(f"  {'TMA' if tma else 'pointer':8} {fmt(measure(fn, a, b, torch_ms))}")
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    tf32_layouts()
     print("\nWhere a small matmul's time goes (us; 'graph' = replayed from a CUDA graph):")
     for m, n, k in ((1024, 1024, 1024), (2048, 2048, 2048), (16, 4096, 4096)):
         a, b = operands(torch.bfloat16, m, n, k, False)
@@ -244,6 +230,25 @@ def paths():
         )
 
 
+def tf32_layouts():
+    """fp32 with TF32 allowed, b row-major (N-major) and b = W.t() (K-major), both kernels."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        for transposed_b in (False, True):
+            a, b = operands(torch.float32, 4096, 4096, 4096, transposed_b)
+            torch_ms = bench.time_ms(torch.matmul, a, b)
+            layout = "b = W.t() (K-major)" if transposed_b else "b row-major (N-major)"
+            print(
+                f"\nfp32 TF32 4096^3, {layout}: torch {bench.achieved_tflops(2 * 4096**3, torch_ms):.0f} TFLOP/s"
+            )
+            for tma in (False, True):
+                fn = lambda a, b, tma=tma: _launch(a, b, None, None, tma=tma)
+                print(f"  {'TMA' if tma else 'pointer':8} {fmt(measure(fn, a, b, torch_ms))}")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def fmt(result):
     tflops, ratio = result
     return ratio if tflops is None else f"{tflops:6.0f} TFLOP/s  {ratio:5.2f}x torch"
@@ -254,7 +259,7 @@ def measure(fn, a, b, torch_ms):
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     try:
         out = fn(a, b)
-        ref = a.float() @ b.float()
+        ref = a.double() @ b.double()  # fp64: a TF32 product is no reference for TF32
         result = check.compare(out, ref, op="matmul", dtype=a.dtype, baseline=a @ b)
         if not result.ok:
             return None, f"WRONG: {result.message}"
@@ -303,6 +308,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-llm", action="store_true", help="skip LLM, decode, odd shapes")
     parser.add_argument("--experiments", action="store_true", help="layout experiments only")
     parser.add_argument("--paths", action="store_true", help="pointer against TMA, host costs")
+    parser.add_argument("--tf32", action="store_true", help="TF32 by layout and kernel only")
     args = parser.parse_args(argv)
     if not ON_GPU:
         print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing)")
@@ -313,6 +319,9 @@ def main(argv=None) -> int:
         return 0
     if args.paths:
         paths()
+        return 0
+    if args.tf32:
+        tf32_layouts()
         return 0
     limit = shared_memory_limit(DEVICE.index or 0)
     candidates = [c for c in CONFIGS + EXTRA_CANDIDATES if shared_memory_bytes(c, 2) <= limit]
