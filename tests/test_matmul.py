@@ -4,6 +4,7 @@ import torch
 from kernels import check
 from kernels.matmul import (
     CONFIGS,
+    TMA_MIN_WORK,
     chosen_config,
     configs_to_try,
     input_precision,
@@ -239,11 +240,11 @@ def test_tma_refuses_operands_it_cannot_load():
 def test_gpu_large_16_bit_problems_go_through_tma_on_hopper(b_is_w):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA needs Hopper (sm_90) or later")
-    m, n, k = 1500, 2048, 1032  # M*N*K over TMA_MIN_WORK; M and K not multiples of a tile
+    m, n, k = 4100, 4096, 1032  # M*N*K over TMA_MIN_WORK; M and K not multiples of a tile
     a, b = operands(m, n, k, torch.bfloat16, seed=23)
     if b_is_w:
         b = b.t().contiguous().t()
-    assert uses_tma(a, b)
+    assert m * n * k >= TMA_MIN_WORK and uses_tma(a, b)
     assert not uses_tma(a.float(), b.float())  # fp32 stays on the pointer kernel
     bias = check.random_tensor((n,), torch.bfloat16, seed=24)
     assert chosen_config(a, b, bias, "gelu") == (None, True)  # not tuned yet
