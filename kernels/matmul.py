@@ -237,9 +237,15 @@ def _matmul(a, b, bias, activation, kernel):
     if K == 0:  # an empty sum: zeros, then the epilogue
         acc = torch.zeros((M, N), dtype=torch.float32, device=a.device)
         return _epilogue_ref(acc, bias, activation).to(a.dtype)
-    if kernel is None and not INTERPRET and M * N * K >= PAD_MIN_WORK and not _aligned(a, b):
-        a, b, bias = pad_operands(a, b, bias)
-        return matmul(a, b, bias, activation)[:, :N].contiguous()
+    if kernel is None and not INTERPRET and M * N * K >= PAD_MIN_WORK:
+        if not _aligned(a, b):
+            a, b, bias = pad_operands(a, b, bias)
+            return matmul(a, b, bias, activation)[:, :N].contiguous()
+        # Hopper's tensor cores read TF32 operands from shared memory only K-major; b (K, N)
+        # row-major is N-major, and TF32 ran at 0.21x cuBLAS at 4096^3 on an H200, against
+        # 0.75x for the same values stored as W.t(). The transposing copy is one pass over b.
+        if a.dtype == torch.float32 and input_precision(a.dtype) == "tf32" and b.stride(1) == 1:
+            b = b.t().contiguous().t()
     tma = uses_tma(a, b) if kernel is None else kernel == "tma"
     return _launch(a, b, bias, activation, tma)
 

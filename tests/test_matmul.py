@@ -177,8 +177,11 @@ def test_gpu_misaligned_large_problems_go_through_padded_copies(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_is_ieee_unless_tf32_is_allowed():
-    a, b = operands(512, 512, 1024, torch.float32, seed=9)
+@pytest.mark.parametrize(
+    "shape", [(512, 512, 1024), (1024, 1040, 1024)], ids=str
+)  # 2nd: K-major copy
+def test_gpu_fp32_is_ieee_unless_tf32_is_allowed(shape):
+    a, b = operands(*shape, torch.float32, seed=9)
     ref = matmul_ref(a.double(), b.double())
     previous = torch.get_float32_matmul_precision()
     try:
@@ -240,7 +243,7 @@ def test_tma_refuses_operands_it_cannot_load():
 def test_gpu_large_16_bit_problems_go_through_tma_on_hopper(b_is_w):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA needs Hopper (sm_90) or later")
-    m, n, k = 4100, 4096, 1032  # M*N*K over TMA_MIN_WORK; M and K not multiples of a tile
+    m, n, k = 4100, 4096, 1040  # M*N*K over TMA_MIN_WORK; M, K not multiples of a tile
     a, b = operands(m, n, k, torch.bfloat16, seed=23)
     if b_is_w:
         b = b.t().contiguous().t()
