@@ -5,6 +5,9 @@ so for large sizes it is compute-bound. Each program computes one BLOCK_M x BLOC
 the output, accumulating in fp32 over K in steps of BLOCK_K; each element it loads is used
 BLOCK_N (for a) or BLOCK_M (for b) times. Bias and activation are applied to the fp32 tile
 before its one store, which saves a round trip of the M x N output through memory.
+
+Two kernels compute the same tiles: matmul_kernel loads them through pointers, any layout;
+matmul_tma_kernel has Hopper's TMA copy them from tensor descriptors. matmul() picks one.
 """
 
 import torch
@@ -297,7 +300,7 @@ _chosen = {}
 
 def chosen_config(a, b, bias=None, activation=None):
     """The config kernels.matmul launches for these operands (after a first call has tuned
-    it; None before), and whether it goes through the TMA kernel."""
+    it; None before, and for operands it copies first, padded), and whether it uses the TMA."""
     if INTERPRET:
         return INTERPRETER_CONFIG, False
     (M, K), N = a.shape, b.shape[1]
