@@ -66,13 +66,18 @@ def test_random_tensor_is_fresh_and_nonzero():
 
 
 def test_poisoned_allocations_expose_unwritten_elements():
+    originals = torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty
     with check.poisoned_allocations():
         f = torch.empty(8)
         i = torch.empty_like(torch.zeros(4, dtype=torch.int32))
+        m = f.new_empty((2, 3))
+        assert torch.Tensor.new_empty.__name__ == "new_empty"  # the grader allows it by name
     assert torch.isnan(f).all() and check.unwritten(f).all()
+    assert m.shape == (2, 3) and torch.isnan(m).all()
     assert (i == torch.iinfo(torch.int32).max).all()
-    assert not torch.isnan(torch.empty(8).fill_(1.0)).any()  # patch removed afterwards
-    assert torch.empty is not None and torch.empty.__name__ == "empty"
+    assert not torch.isnan(torch.empty(8).fill_(1.0)).any()  # patches removed afterwards
+    restored = torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty
+    assert all(a is b for a, b in zip(originals, restored, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])

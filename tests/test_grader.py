@@ -37,6 +37,13 @@ KERNEL_CASES = {
     "no_kernel": ("repeat_fma", [(END, NO_KERNEL)]),
     "torch_in_kernel": ("repeat_fma", [(LOAD, LOAD + "\n    y = torch.clamp(y, -1e4, 1e4)")]),
     "unwritten": ("repeat_fma", [(GRID, "grid = (n // BLOCK_SIZE,)")]),
+    "unwritten_new_empty": (
+        "repeat_fma",
+        [
+            ("out = torch.empty_like(x)", "out = x.new_empty(x.shape)"),
+            (GRID, "grid = (n // BLOCK_SIZE,)"),
+        ],
+    ),
     "modifies_input": ("repeat_fma", [(STORE, STORE_TO_X)]),
     "cached": ("repeat_fma", [CACHE, (END, CACHED_RETURN)]),
     "crash": ("repeat_fma", [(LOAD, "y = tl.load(x_ptr + offsets * 100000000 + 100000000000)")]),
@@ -107,6 +114,7 @@ EXPECTED = {
     "no_kernel": ["launched no Triton kernel"],
     "torch_in_kernel": ["kernel repeat_fma_kernel uses torch", "cell 11, line"],
     "unwritten": ["never written", "NaN", "shape (1,)", "seed"],
+    "unwritten_new_empty": ["never written", "NaN", "shape (1,)", "seed"],
     "modifies_input": ["modified its input 1", "shape (1,)"],
     "cached": ["a result cached across calls", "shape (4097,)"],
     "crash": ["crashed (signal SIGSEGV", "cell 11, line", "tl.load"],
