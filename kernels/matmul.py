@@ -260,16 +260,10 @@ def _tiles(M, N, meta) -> int:
 def _launch(a, b, bias, activation, tma: bool):
     (M, K), N = a.shape, b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    has_bias = bias is not None
-    bias = bias.contiguous() if has_bias else c  # without a bias, c stands in and is never read
-    flags = {
-        "HAS_BIAS": has_bias,
-        "ACTIVATION": activation or "none",
-        "INPUT_PRECISION": input_precision(a.dtype),
-    }
+    flags = _flags(a, b, bias, activation, tma)
+    bias = c if bias is None else bias.contiguous()  # without a bias, c stands in, never read
     if tma:
-        flags["B_IS_W"] = b_is_w = b.stride(1) != 1
-        args = (*tma_descriptors(a, b, c, b_is_w), bias, M, N, K)
+        args = (*tma_descriptors(a, b, c, flags["B_IS_W"]), bias, M, N, K)
         kernel, autotuned = matmul_tma_kernel, matmul_tma_autotuned
     else:
         args = (a, b, c, bias, M, N, K, *a.stride(), *b.stride(), *c.stride())
@@ -278,7 +272,7 @@ def _launch(a, b, bias, activation, tma: bool):
         meta = INTERPRETER_CONFIG.kwargs
         kernel[(_tiles(M, N, meta),)](*args, **flags, **meta)
         return c
-    key = (tma, M, N, K, a.dtype, *flags.values())
+    key = _plan_key(a, b, flags, tma)
     config = _chosen.get(key)
     if config is None:  # first time: the autotuner times the configs and keeps the fastest
         autotuned[lambda meta: (_tiles(M, N, meta),)](*args, **flags)
@@ -289,6 +283,22 @@ def _launch(a, b, bias, activation, tma: bool):
         set_tma_blocks({"a_desc": args[0], "b_desc": args[1], "c_desc": args[2], **flags, **meta})
     kernel[(_tiles(M, N, meta),)](*args, **flags, **meta)
     return c
+
+
+def _flags(a, b, bias, activation, tma: bool) -> dict:
+    """The kernels' constexpr flags for these operands (B_IS_W only for the TMA kernel)."""
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "ACTIVATION": activation or "none",
+        "INPUT_PRECISION": input_precision(a.dtype),
+    }
+    if tma:
+        flags["B_IS_W"] = b.stride(1) != 1
+    return flags
+
+
+def _plan_key(a, b, flags, tma: bool) -> tuple:
+    return (tma, *a.shape, b.shape[1], a.dtype, *flags.values())
 
 
 # The config the autotuner chose for each problem seen so far, by path, shape, dtype and flags.
@@ -303,12 +313,8 @@ def chosen_config(a, b, bias=None, activation=None):
     it; None before, and for operands it copies first, padded), and whether it uses the TMA."""
     if INTERPRET:
         return INTERPRETER_CONFIG, False
-    (M, K), N = a.shape, b.shape[1]
     tma = uses_tma(a, b)
-    flags = (bias is not None, activation or "none", input_precision(a.dtype))
-    if tma:
-        flags += (b.stride(1) != 1,)
-    return _chosen.get((tma, M, N, K, a.dtype, *flags)), tma
+    return _chosen.get(_plan_key(a, b, _flags(a, b, bias, activation, tma), tma)), tma
 
 
 # The TMA copies whole tiles between global and shared memory given a descriptor: the base

@@ -27,12 +27,14 @@ from kernels import bench, check
 from kernels.matmul import (
     CONFIGS,
     _launch,
+    _tiles,
     check_matmul_inputs,
     grouped_tile,
     matmul,
     matmul_kernel,
     matmul_kernel_autotuned,
     matmul_tma_kernel,
+    pad_operands,
     set_tma_blocks,
     shared_memory_bytes,
     shared_memory_limit,
@@ -141,13 +143,8 @@ def launch_wt(config, a, b):
 def padded_matmul(a, b, multiple=64):
     """kernels.matmul on zero-padded copies whose rows start 16-byte aligned: every load can
     be a wide one. Zeros in the padding of K add nothing; the padding of N is cut off."""
-    (m, k), n = a.shape, b.shape[1]
-    kp, np_ = triton.cdiv(k, multiple) * multiple, triton.cdiv(n, multiple) * multiple
-    a_p = torch.zeros((m, kp), dtype=a.dtype, device=a.device)
-    a_p[:, :k] = a
-    b_p = torch.zeros((kp, np_), dtype=b.dtype, device=b.device)
-    b_p[:k, :n] = b
-    return matmul(a_p, b_p)[:, :n].contiguous()
+    a_p, b_p, _ = pad_operands(a, b, multiple=multiple)
+    return matmul(a_p, b_p)[:, : b.shape[1]].contiguous()
 
 
 def experiments():
@@ -202,7 +199,7 @@ def paths():
         matmul(a, b)  # tuned
         args = (a, b, c, c, m, n, k, *a.stride(), *b.stride(), *c.stride())
         flags = {"HAS_BIAS": False, "ACTIVATION": "none", "INPUT_PRECISION": "tf32"}
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        grid = lambda meta: (_tiles(m, n, meta),)
         timings = {
             "torch.matmul": bench.time_ms(torch.matmul, a, b),
             "torch.matmul graph": bench.graph_ms(lambda: torch.matmul(a, b)),
