@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.matmul import input_precision
 from kernels.runtime import ON_GPU
-from kernels.validate import check_same, check_tensor
+from kernels.validate import check_same, check_tensor, input_precision
 
 HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction

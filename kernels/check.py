@@ -195,3 +195,32 @@ def poisoned_allocations():
     finally:
         for owner, name, allocate in originals:
             setattr(owner, name, allocate)
+
+
+def against_fp64(fn, *args, ref, op: str, baseline=None, **kwargs) -> Comparison:
+    """The one kernel check that tests and chapters share: `fn(*args, **kwargs)` under poisoned
+    allocations, against `ref` run on fp64 copies of the tensor arguments.
+
+    The output must be a fresh contiguous tensor with the inputs' dtype, and the inputs must
+    be unchanged. `baseline` (PyTorch's own op, run on the same 16-bit arguments) turns on the
+    matmul/attention rule: within twice torch's error passes too. Returns the Comparison
+    (`.ok`, `.message`); tests assert on it, chapters print it.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    dtype = tensors[0].dtype
+    before = [t.clone() for t in tensors]
+    with poisoned_allocations():
+        out = fn(*args, **kwargs)
+    wide = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
+    wide_kwargs = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    expected = ref(*wide, **wide_kwargs)
+    if isinstance(out, torch.Tensor) and out.dtype != dtype:
+        return Comparison(False, f"output dtype {out.dtype}, expected the inputs' {dtype}")
+    if isinstance(out, torch.Tensor) and not out.is_contiguous():
+        return Comparison(False, f"output is not contiguous (strides {out.stride()})")
+    if any(not torch.equal(b, t) for b, t in zip(before, tensors, strict=True)):
+        return Comparison(False, "an input was modified")
+    theirs = None
+    if baseline is not None and dtype in (torch.float16, torch.bfloat16):
+        theirs = baseline(*args, **kwargs)
+    return compare(out, expected, op=op, dtype=dtype, baseline=theirs)

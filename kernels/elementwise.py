@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.primitives import gelu
 from kernels.validate import check_row_vector, check_same, check_tensor
 
 BLOCK_SIZE = 1024
@@ -47,9 +48,7 @@ def bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_elements, n_cols, BLOCK_SIZE: t
     mask = offsets < n_elements
     x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
     b = tl.load(bias_ptr + offsets % n_cols, mask=mask).to(tl.float32)
-    z = x + b
-    # exact GELU: z * Phi(z) = 0.5 z (1 + erf(z / sqrt(2)))
-    out = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    out = gelu(x + b)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -14,35 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.primitives import epilogue, grouped_tile
 from kernels.runtime import INTERPRET, ON_GPU
-from kernels.validate import check_same, check_tensor
-
-ACTIVATIONS = (None, "gelu", "relu")
-
-
-@triton.jit
-def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n): the tile of c this program computes, in grouped order. Consecutive
-    programs walk down a column of GROUP_M tiles before moving right, so the rows of a and
-    columns of b they share are still in L2 when read again."""
-    pid = tl.program_id(0)
-    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_height = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    in_group = pid % tiles_per_group
-    return first_m + in_group % group_height, in_group // group_height
-
-
-@triton.jit
-def epilogue(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    """act(acc + bias) on the fp32 tile while it is still in registers."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION == "gelu":  # exact GELU: z * Phi(z) = 0.5 z (1 + erf(z / sqrt(2)))
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-    elif ACTIVATION == "relu":
-        acc = tl.maximum(acc, 0.0)
-    return acc
+from kernels.validate import check_matmul_inputs, input_precision
 
 
 @triton.jit
@@ -183,33 +157,6 @@ matmul_tma_autotuned = triton.autotune(
     key=["M", "N", "K", "INPUT_PRECISION", "B_IS_W"],
     prune_configs_by={"early_config_prune": _prune},
 )(matmul_tma_kernel)
-
-
-def input_precision(dtype: torch.dtype) -> str:
-    """fp32 follows torch: "highest" (the default) means IEEE fp32, otherwise TF32 is allowed.
-    fp16 and bf16 go to the tensor cores as they are."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
-
-
-def check_matmul_inputs(a, b, bias=None, activation=None):
-    """Validation shared by every matmul in the course: 2-D a (M, K) and b (K, N) of one
-    dtype and device, bias (N,) or None, a known activation."""
-    check_tensor("a", a, ndim=2)
-    check_tensor("b", b, ndim=2)
-    check_same("a and b", a, b, shape=False)
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(
-            f"a @ b needs a's columns to match b's rows: a {tuple(a.shape)}, b {tuple(b.shape)}"
-        )
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1)
-        check_same("a and bias", a, bias, shape=False)
-        if bias.shape[0] != b.shape[1]:
-            raise ValueError(f"bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:

@@ -39,6 +39,12 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if ON_GPU else "cpu"
 
 
+def processors() -> int:
+    """The number of processors a library tries to fill: the GPU's SM count (132 on an H200);
+    on a CPU, a fixed 16, so that CPU results do not depend on the machine."""
+    return torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 16
+
+
 def versions() -> dict:
     """The versions that decide what a kernel does and how fast, written beside every number."""
     import platform

@@ -1,4 +1,4 @@
-"""Input checks every public kernel runs before launching anything.
+"""Input checks every public kernel runs before launching anything, and the dtype policy ops share.
 
 Bad input raises TypeError (unsupported dtype, naming the supported ones) or ValueError
 (shapes, devices), never a traceback from deep inside Triton.
@@ -9,6 +9,7 @@ import torch
 from kernels.runtime import DEVICE
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "gelu", "relu")  # the epilogues a matmul can fuse
 
 
 def _names(dtypes) -> str:
@@ -57,3 +58,30 @@ def check_row_vector(name: str, p, x):
         raise ValueError(
             f"{name} must have x's last dim: x {tuple(x.shape)}, {name} {tuple(p.shape)}"
         )
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """fp32 follows torch: "highest" (the default) means IEEE fp32, otherwise TF32 is allowed.
+    fp16 and bf16 go to the tensor cores as they are."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def check_matmul_inputs(a, b, bias=None, activation=None):
+    """Validation shared by every matmul in the course: 2-D a (M, K) and b (K, N) of one
+    dtype and device, bias (N,) or None, a known activation."""
+    check_tensor("a", a, ndim=2)
+    check_tensor("b", b, ndim=2)
+    check_same("a and b", a, b, shape=False)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"a @ b needs a's columns to match b's rows: a {tuple(a.shape)}, b {tuple(b.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        check_same("a and bias", a, bias, shape=False)
+        if bias.shape[0] != b.shape[1]:
+            raise ValueError(f"bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

@@ -2,7 +2,8 @@
 
     python scripts/tune_invariant_matmul.py
 
-The invariant matmul uses ONE configuration for every M (kernels/invariant_matmul.py, CONFIGS).
+The invariant matmul uses ONE configuration for every M (CONFIGS in
+kernels/batch_invariant/full_k_matmul.py).
 For each candidate, in bf16 with N = K = 4096: correctness against the fp64 reference, a quick
 bitwise batch-invariance check (the harness with a few batch sizes and needles), then ms and the
 ratio to cuBLAS (torch.mm) for M from 1 to 8192. The course's target is at least 0.80x cuBLAS
@@ -19,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kernels import bench, check  # noqa: E402
-from kernels import invariant_matmul as im  # noqa: E402
-from kernels.invariance import check_batch_invariance  # noqa: E402
+from kernels.batch_invariant import full_k_matmul as im  # noqa: E402
+from kernels.batch_invariant.harness import check_batch_invariance  # noqa: E402
 from kernels.runtime import DEVICE, ON_GPU  # noqa: E402
 
 CANDIDATES = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from params import CPU_DTYPES, DTYPES
 
 from kernels import check
 from kernels.attention import (
@@ -12,12 +13,10 @@ from kernels.attention import (
     forward_candidates,
 )
 from kernels.attention_backward import attention_backward, dkdv_candidates, dq_candidates
-from kernels.matmul import input_precision
 from kernels.runtime import DEVICE, ON_GPU
+from kernels.validate import input_precision
 
 GPU = pytest.mark.gpu
-CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=GPU)]
 # (B, H, Sq, Sk, D): tiny for the interpreter; Sq = 1 and Sq < Sk are decoding against a KV cache
 SHAPES = [
     (1, 2, 1, 1, 16),

@@ -4,17 +4,15 @@ ops to them. Invariance itself is checked in test_invariance_harness.py."""
 import pytest
 import torch
 import torch.nn.functional as F
+from params import DTYPES
 
 from kernels import batch_invariant as bi
 from kernels import check
-from kernels.invariant_attention import CONFIG as ATTENTION_CONFIG
-from kernels.invariant_rows import mean, softmax
+from kernels.batch_invariant.rows import mean, softmax
+from kernels.batch_invariant.split_kv_attention import CONFIG as ATTENTION_CONFIG
 from kernels.runtime import ON_GPU
 from kernels.serving import run_experiment, score
 from kernels.tiny_lm import TinyLM
-
-CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
 
 def _inputs(shape, dtype, seed, scale=1.0):

@@ -1,12 +1,11 @@
 import pytest
 import torch
+from params import DTYPES
 
 from kernels import check
 from kernels.elementwise import add, add_ref, bias_gelu, bias_gelu_ref
 from kernels.runtime import DEVICE
 
-CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 SHAPES = [(1,), (3,), (1023,), (1025,), (4097,), (3, 127), (2, 3, 129)]
 
 

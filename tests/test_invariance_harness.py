@@ -6,11 +6,12 @@ The gpu-marked tests are the real bitwise checks on compiled kernels.
 
 import pytest
 import torch
+from params import CPU_DTYPES
 
 from kernels import batch_invariant as bi
 from kernels import check
-from kernels.batch_variant import atomic_row_sum, split_k_for, split_k_matmul
-from kernels.invariance import (
+from kernels.batch_invariant.controls import atomic_row_sum, split_k_for, split_k_matmul
+from kernels.batch_invariant.harness import (
     batch_sizes,
     check_attention_invariance,
     check_batch_invariance,
@@ -21,8 +22,6 @@ from kernels.invariance import (
 )
 from kernels.runtime import DEVICE, ON_GPU
 from kernels.tiny_lm import sdpa_attention
-
-CPU_DTYPES = [torch.float32, torch.float16]
 
 
 def test_ulp_distance_counts_representable_floats():

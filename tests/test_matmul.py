@@ -1,5 +1,6 @@
 import pytest
 import torch
+from params import CPU_DTYPES, DTYPES
 
 from kernels import check
 from kernels.matmul import (
@@ -18,8 +19,6 @@ from kernels.matmul import (
 )
 from kernels.runtime import DEVICE
 
-CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 # (M, N, K) around 1 and the 32-wide CPU blocks; the GPU's blocks are 64 to 256 wide.
 SHAPES = [
     (1, 1, 1),

@@ -1,13 +1,12 @@
 import pytest
 import torch
+from params import DTYPES
 
 from kernels import check
 from kernels import norm as norm_module
 from kernels.norm import MAX_COLS, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
 from kernels.runtime import DEVICE
 
-CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 SHAPES = [(1, 1), (4, 1), (3, 127), (5, 129), (129, 33), (2, 5, 1000), (3, 4097), (2, 3, 128)]
 OPS = {
     "rms_norm": (rms_norm, rms_norm_ref, 1),  # (kernel, reference, number of parameters)

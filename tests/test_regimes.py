@@ -1,12 +1,11 @@
 import pytest
 import torch
+from params import DTYPES
 
 from kernels import check, regimes
 from kernels.regimes import cos_cos, cos_cos_ref, repeat_fma, repeat_fma_ref
 from kernels.runtime import DEVICE
 
-CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 SIZES = [1, 3, 1023, 1024, 1025, 4097]
 
 

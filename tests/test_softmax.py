@@ -1,13 +1,12 @@
 import pytest
 import torch
+from params import DTYPES
 
 from kernels import check
 from kernels import softmax as softmax_module
 from kernels.runtime import DEVICE
 from kernels.softmax import FUSED_MAX_COLS, softmax, softmax_ref, softmax_streamed
 
-CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 SHAPES = [(1, 1), (3, 1), (1, 3), (5, 127), (5, 128), (5, 129), (3, 1000), (2, 4097), (2, 3, 129)]
 
 

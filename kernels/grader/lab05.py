@@ -2,7 +2,8 @@
 
 Invariance is checked the way Chapter 5's harness checks it, in the grader's process: the
 child returns f(X) and f(X[:B]) for several B, and the grader compares them bit for bit
-(`kernels.invariance`), beside the values against a float64 reference (`kernels.check`).
+(`kernels.batch_invariant.harness`), beside the values against a float64 reference
+(`kernels.check`).
 The first task's ops are built in the child from a description (`variant_op`): the grader
 builds the same op from the same description and finds the answer itself.
 """
@@ -12,8 +13,8 @@ import bisect
 import torch
 
 from kernels import check
+from kernels.batch_invariant.harness import InvarianceReport
 from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
-from kernels.invariance import InvarianceReport
 
 NAME = "lab05_batch_invariance"
 OP_K, OP_N = 32, 8  # the hidden ops' weight: x (B, OP_K) @ w (OP_K, OP_N)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.runtime import ON_GPU
+from kernels.runtime import processors
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16,
              torch.bfloat16: torch.int16, torch.float64: torch.int64}  # fmt: skip
@@ -86,12 +86,6 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(i < 0, -magnitude, magnitude)
 
     return (ordered(a) - ordered(b)).abs()
-
-
-def processors() -> int:
-    """The number of processors a library tries to fill: the GPU's SM count (132 on an H200);
-    on a CPU, a fixed 16, so that CPU results do not depend on the machine."""
-    return torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 16
 
 
 def _primes(n):
@@ -160,7 +154,7 @@ def check_attention_invariance(
     decoding step over a padded cache of L keys with kv_lens = n, chunked prefills ending at n,
     and a decoding step in a padded batch with `company` other sequences of other lengths.
     """
-    from kernels.invariant_attention import CONFIG
+    from kernels.batch_invariant.split_kv_attention import CONFIG
 
     B, H, L, D = q.shape
     report = InvarianceReport()

@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.invariant_rows import add_combine
-from kernels.matmul import check_matmul_inputs, input_precision
+from kernels.batch_invariant.rows import add_combine
+from kernels.primitives import epilogue, grouped_tile
 from kernels.runtime import INTERPRET, pick
+from kernels.validate import check_matmul_inputs, input_precision
 
 # DOT_ON_CPU: on the GPU, tl.dot runs on tensor cores (or FMA units for IEEE fp32), and an
 # output element's sum does not depend on which row of the tile it sits in. Under the CPU
@@ -25,7 +26,7 @@ from kernels.runtime import INTERPRET, pick
 # position in the block (rows 0-5 and 6-11 take different code paths). So the kernels here
 # take USE_DOT=False under the interpreter and sum the products over K explicitly, in
 # order. (Written out in each kernel: the interpreter pays milliseconds for every call of a
-# @jit helper; see add_combine in kernels/invariant_rows.py.)
+# @jit helper; see add_combine in kernels/batch_invariant/rows.py.)
 
 # One configuration per dtype, for every M (the point of this kernel). On the GPU, 128x256x64
 # with 8 warps and 3 stages is a strong tile for large bf16/fp16 matmuls on Hopper; fp32 takes
@@ -50,16 +51,7 @@ def invariant_matmul_kernel(
     USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Grouped launch order (GROUP_M row tiles share columns of b in L2): it changes when a
-    # tile is computed, never how.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # 64-bit offsets: tensors may pass 2**31 elements (and the interpreter checks every
     # 32-bit integer operation for overflow, which is slow)
@@ -82,12 +74,7 @@ def invariant_matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if HAS_BIAS:  # the epilogue is elementwise: invariant by construction
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION == "gelu":  # exact (erf) GELU
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-    elif ACTIVATION == "relu":
-        acc = tl.maximum(acc, 0.0)
+    acc = epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

@@ -23,10 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.invariant_rows import add_combine, max_combine
-from kernels.matmul import input_precision
+from kernels.batch_invariant.rows import add_combine, max_combine
 from kernels.runtime import INTERPRET, pick
-from kernels.validate import check_same, check_tensor
+from kernels.validate import check_same, check_tensor, input_precision
 
 LOG2E = 1.4426950408889634
 
@@ -83,7 +82,7 @@ def attention_split_kernel(
         key_ok = offs_n[:, None] < kv_len
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_ok & d_ok,
                     other=0.0)  # fmt: skip
-        if USE_DOT:  # see DOT_ON_CPU in kernels/invariant_matmul.py
+        if USE_DOT:  # see DOT_ON_CPU in kernels/batch_invariant/full_k_matmul.py
             s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         else:
             s = tl.reduce(

@@ -1,12 +1,6 @@
-"""Batch-invariant kernels and `batch_invariant_mode()`: the same bits for a row whatever else
-is in the batch, so that a server's answer does not depend on its load.
-
-    rms_norm(x, weight, eps)                         kernels/invariant_rows.py
-    matmul(a, b, bias, activation)                   kernels/invariant_matmul.py
-    attention(q, k, v, causal, sm_scale, kv_lens)    kernels/invariant_attention.py
-
-`batch_invariant_mode()` routes torch's own ops to these kernels through `torch.library`, for
-the CPU and the CUDA dispatch keys alike, so that an unmodified PyTorch model runs on them:
+"""`batch_invariant_mode()`: torch's own ops routed to the batch-invariant kernels through
+`torch.library`, for the CPU and the CUDA dispatch keys alike, so that an unmodified PyTorch
+model runs on them:
 
     with batch_invariant_mode():
         logits = model(tokens)     # nn.Linear -> aten::addmm -> the invariant matmul, ...
@@ -21,23 +15,10 @@ import warnings
 
 import torch
 
-from kernels.invariant_attention import attention, attention_ref
-from kernels.invariant_matmul import matmul, matmul_ref
-from kernels.invariant_rows import mean, rms_norm, rms_norm_ref, softmax
+from kernels.batch_invariant.full_k_matmul import matmul
+from kernels.batch_invariant.rows import mean, softmax
 from kernels.runtime import DEVICE
 from kernels.validate import FLOAT_DTYPES
-
-__all__ = [
-    "rms_norm",
-    "rms_norm_ref",
-    "matmul",
-    "matmul_ref",
-    "attention",
-    "attention_ref",
-    "batch_invariant_mode",
-    "enabled",
-    "ROUTED_OPS",
-]
 
 _active = 0
 

@@ -15,11 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.invariance import processors
-from kernels.invariant_rows import add_combine
-from kernels.matmul import check_matmul_inputs, input_precision
-from kernels.runtime import INTERPRET, pick
-from kernels.validate import check_tensor
+from kernels.batch_invariant.rows import add_combine
+from kernels.runtime import INTERPRET, pick, processors
+from kernels.validate import check_matmul_inputs, check_tensor, input_precision
 
 SPLIT_CONFIG = pick(
     cpu=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32),
@@ -71,7 +69,7 @@ def split_k_matmul_kernel(
         )
         if USE_DOT:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        else:  # see DOT_ON_CPU in kernels/invariant_matmul.py
+        else:  # see DOT_ON_CPU in kernels/batch_invariant/full_k_matmul.py
             acc += tl.reduce(
                 a[:, :, None].to(tl.float32) * b[None, :, :].to(tl.float32), 1, add_combine
             )
