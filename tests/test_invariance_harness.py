@@ -20,8 +20,12 @@ from kernels.batch_invariant.harness import (
     split_boundary_lengths,
     ulp_distance,
 )
+from kernels.batch_invariant.split_kv_attention import CONFIG as ATTENTION_CONFIG
 from kernels.runtime import DEVICE, ON_GPU
 from kernels.tiny_lm import sdpa_attention
+
+# where the split-KV kernel cuts the keys: the harness tries KV lengths on both sides of each cut
+SPLITS = dict(split_size=ATTENTION_CONFIG["SPLIT_SIZE"], block=ATTENTION_CONFIG["BLOCK_N"])
 
 
 def test_ulp_distance_counts_representable_floats():
@@ -86,16 +90,25 @@ def test_invariant_kernels_pass_the_harness(dtype):
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 def test_invariant_attention_passes_the_harness(dtype):
     q, k, v = (check.random_tensor((2, 1, 140, 16), dtype, seed=s) for s in (7, 8, 9))
-    report = check_attention_invariance(bi.attention, q, k, v)
+    report = check_attention_invariance(bi.attention, q, k, v, **SPLITS)
     assert report.ok, str(report)
     assert report.checks > 50
+
+
+def test_attention_harness_tries_lengths_around_the_splits_it_is_given():
+    q, k, v = (check.random_tensor((1, 1, 120, 8), seed=s) for s in (17, 18, 19))
+    report = check_attention_invariance(
+        bi.attention_ref, q, k, v, split_size=50, block=0, chunks=(), company=0
+    )
+    tried = [case for case, _ in report.cases if case.startswith("prefill of")]
+    assert tried == [f"prefill of {n}" for n in (1, 2, 49, 50, 51, 99, 100, 101, 120)]
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU negative control")
 def test_torch_attention_fails_the_attention_harness_on_this_cpu():
     """What the tiny LM uses by default: scaled_dot_product_attention with a padding mask."""
     q, k, v = (check.random_tensor((2, 1, 140, 16), seed=s) for s in (14, 15, 16))
-    report = check_attention_invariance(sdpa_attention, q, k, v)
+    report = check_attention_invariance(sdpa_attention, q, k, v, **SPLITS)
     assert not report.ok and report.max_ulp > 0
 
 
@@ -149,7 +162,7 @@ def test_gpu_invariant_kernels_are_bitwise_invariant(dtype):
     q, k, v = (
         check.random_tensor((2, 4, 600, 128), dtype, seed=s, device=DEVICE) for s in (23, 24, 25)
     )
-    report = check_attention_invariance(bi.attention, q, k, v)
+    report = check_attention_invariance(bi.attention, q, k, v, **SPLITS)
     assert report.ok, str(report)
 
 

@@ -1,14 +1,18 @@
-"""Kernels that are deliberately NOT batch-invariant or NOT deterministic: the invariance
-harness's negative controls, and the chapter's demonstration of where the bits come from.
+"""Negative controls: kernels that are deliberately NOT batch-invariant, or NOT deterministic.
 
-split_k_matmul: a matmul that, as libraries do, splits the K reduction when the output has
-too few tiles to keep every processor busy, choosing the split from M. Each split sums its
-part of K; the partial sums are then added in a fixed order. Deterministic run to run, but a
-row's bits change with M, because its sum is cut into a different number of pieces.
+A harness is only worth something if it can fail. These are the ops it must catch (and the
+chapter's demonstration of where the bits come from); nothing in the course computes with them.
 
-atomic_row_sum: row sums where many programs `atomic_add` their partial sums into one output:
-the additions land in whatever order the programs finish. On a GPU the bits change from run
-to run; under the CPU interpreter programs run one after another, so they do not.
+split_k_matmul, the batch-VARIANT control: a matmul that, as libraries do, splits the K
+reduction when the output has too few tiles to keep every processor busy, choosing the split
+from M (`split_k_for`). Each split sums its part of K; the partial sums are then added in a
+fixed order. Deterministic run to run, but a row's bits change with M, because its sum is cut
+into a different number of pieces. It pairs with full_k_matmul.py, which never splits K.
+
+atomic_row_sum, the NONDETERMINISTIC control: row sums where many programs `atomic_add` their
+partial sums into one output: the additions land in whatever order the programs finish. On a
+GPU the bits change from run to run; under the CPU interpreter programs run one after another,
+so they do not.
 """
 
 import torch
@@ -79,8 +83,9 @@ def split_k_matmul_kernel(
 
 
 def split_k_matmul(a: torch.Tensor, b: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
-    """a (M, K) @ b (K, N) with K cut into `split_k` pieces (default: `split_k_for(M, N, K)`,
-    chosen from the shape as libraries do). Correct, deterministic, and batch-VARIANT."""
+    """The batch-variant control: a (M, K) @ b (K, N) with K cut into `split_k` pieces
+    (default: `split_k_for(M, N, K)`, chosen from the shape as libraries do). Correct,
+    deterministic, and batch-VARIANT; with `split_k` fixed by hand, invariant again."""
     check_matmul_inputs(a, b)
     (M, K), N = a.shape, b.shape[1]
     split_k = split_k or split_k_for(M, N, K)
@@ -110,8 +115,8 @@ def atomic_row_sum_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr)
 
 
 def atomic_row_sum(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """The sum of each row of a 2-D x, in fp32, through atomic adds (run-to-run nondeterministic
-    on a GPU)."""
+    """The nondeterministic control: the sum of each row of a 2-D x, in fp32, through atomic
+    adds (its bits change from run to run on a GPU)."""
     check_tensor("x", x, ndim=2)
     x = x.contiguous()
     out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)

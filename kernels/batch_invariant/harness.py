@@ -144,22 +144,24 @@ def split_boundary_lengths(split_size: int, max_len: int, block: int = 0) -> lis
 
 
 def check_attention_invariance(
-    attn, q, k, v, *, lengths=None, chunks=(1, 3, 16), company: int = 3, seed: int = 0
-) -> InvarianceReport:
+    attn, q, k, v, *, split_size: int, block: int = 0, lengths=None, chunks=(1, 3, 16),
+    company: int = 3, seed: int = 0,
+) -> InvarianceReport:  # fmt: skip
     """Is attn(q, k, v, causal=True, kv_lens=None) invariant for the query at each position?
 
-    q, k, v: (B, H, L, D), one full sequence per batch row. For each length n, the query at
-    position n - 1 is compared (against the full causal prefill over all L positions) when
-    computed as: a prefill of the first n positions, one decoding step over n keys, one
-    decoding step over a padded cache of L keys with kv_lens = n, chunked prefills ending at n,
-    and a decoding step in a padded batch with `company` other sequences of other lengths.
+    q, k, v: (B, H, L, D), one full sequence per batch row. `split_size` and `block`: where
+    the kernel under test cuts the keys (its splits, its inner key blocks), so that the KV
+    lengths tried sit on either side of every cut (`lengths` overrides them). For each length
+    n, the query at position n - 1 is compared (against the full causal prefill over all L
+    positions) when computed as: a prefill of the first n positions, one decoding step over n
+    keys, one decoding step over a padded cache of L keys with kv_lens = n, chunked prefills
+    ending at n, and a decoding step in a padded batch with `company` other sequences of
+    other lengths.
     """
-    from kernels.batch_invariant.split_kv_attention import CONFIG
-
     B, H, L, D = q.shape
     report = InvarianceReport()
     full = attn(q, k, v, causal=True)
-    lengths = lengths or split_boundary_lengths(CONFIG["SPLIT_SIZE"], L, CONFIG["BLOCK_N"])
+    lengths = lengths or split_boundary_lengths(split_size, L, block)
     rng = random.Random(seed)
     for n in lengths:
         want = full[:, :, n - 1 : n]

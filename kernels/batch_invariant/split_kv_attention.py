@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import attention_ref as course_attention_ref
 from kernels.batch_invariant.rows import add_combine, max_combine
+from kernels.primitives import LOG2E
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import check_same, check_tensor, input_precision
-
-LOG2E = 1.4426950408889634
 
 # Fixed for every shape. The interpreter pays per operation, so on a CPU the tiles are larger
 # and the split smaller (so that small tests still cross split boundaries).
@@ -37,7 +37,34 @@ CONFIG = pick(
 )
 
 
-@triton.jit(do_not_specialize=["H", "Sq", "Sk"])
+# Profiler metadata (see rows.py): the launch's name and shape, FLOPs and the least bytes.
+
+
+def split_metadata(grid, kernel, args) -> dict:
+    """4*B*H*Sq*Sk*D FLOPs (q k^T and p v over every key: an upper bound, since causal masking
+    and kv_lens skip some); q, k, v read once, the fp32 partials (m, l, acc) written once."""
+    q, splits = args["q_ptr"], args["n_splits"]
+    B, H, Sq, Sk, D = q.shape[0], args["H"], args["Sq"], args["Sk"], args["D"]
+    partials = 4 * B * H * Sq * splits * (D + 2)
+    return {
+        "name": f"{kernel.name} [B={B}, H={H}, Sq={Sq}, Sk={Sk}, D={D}, splits={splits}]",
+        "flops": 4 * B * H * Sq * Sk * D,
+        "bytes": q.element_size() * B * H * (Sq + 2 * Sk) * D + partials,
+    }
+
+
+def combine_metadata(grid, kernel, args) -> dict:
+    """3*(D+1) FLOPs a split and a row (rescale and add l and acc) plus D divides a row; the
+    partials read once, the output written once."""
+    rows, splits, D = args["n_rows"], args["n_splits"], args["D"]
+    return {
+        "name": f"{kernel.name} [rows={rows}, splits={splits}, D={D}]",
+        "flops": rows * (3 * splits * (D + 1) + D),
+        "bytes": 4 * rows * splits * (D + 2) + args["out_ptr"].element_size() * rows * D,
+    }
+
+
+@triton.jit(do_not_specialize=["H", "Sq", "Sk"], launch_metadata=split_metadata)
 def attention_split_kernel(
     q_ptr, k_ptr, v_ptr, kv_lens_ptr, m_ptr, l_ptr, acc_ptr,
     H, Sq, Sk, D, n_splits, qk_scale,
@@ -115,7 +142,7 @@ def attention_split_kernel(
     tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_splits"])
+@triton.jit(do_not_specialize=["n_rows", "n_splits"], launch_metadata=combine_metadata)
 def attention_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -183,7 +210,7 @@ def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tenso
     grid = (B * H, triton.cdiv(Sq, cfg["BLOCK_M"]), n_splits)
     attention_split_kernel[grid](
         q, k, v, lens if lens is not None else part_m, part_m, part_l, part_acc,
-        H, Sq, Sk, D, n_splits, sm_scale * LOG2E,
+        H, Sq, Sk, D, n_splits, sm_scale * LOG2E.value,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HAS_KV_LENS=lens is not None, CAUSAL=bool(causal),
@@ -215,21 +242,16 @@ def _kv_lens(kv_lens, B, Sk, device):
 
 
 def attention_ref(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tensor:
-    """Plain PyTorch in fp32 (fp64 for fp64 inputs), one sequence at a time."""
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    B, H, Sq, D = q.shape
-    Sk = k.shape[2]
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    lens = [Sk] * B if kv_lens is None else [int(n) for n in kv_lens]
-    out = torch.zeros(q.shape, dtype=wide, device=q.device)
-    for b, n in enumerate(lens):
-        s = q[b].to(wide) @ k[b, :, :n].to(wide).transpose(-1, -2) * scale  # (H, Sq, n)
-        visible = torch.ones(Sq, n, dtype=torch.bool, device=q.device)
-        if causal:
-            visible = torch.arange(n, device=q.device)[None, :] <= (
-                torch.arange(Sq, device=q.device)[:, None] + n - Sq
-            )
-        s = s.masked_fill(~visible, float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: zeros
-        out[b] = p @ v[b, :, :n].to(wide)
-    return out.to(q.dtype)
+    """The course's reference (kernels.attention.attention_ref) with `kv_lens`: sequence b
+    attends over its first kv_lens[b] keys alone, and a query that sees no key gets zeros
+    (where the course's softmax over no key would give NaN)."""
+    if kv_lens is None:
+        return course_attention_ref(q, k, v, causal, sm_scale)
+    Sq = q.shape[2]
+    out = torch.zeros_like(q)
+    for b, n in enumerate(int(n) for n in kv_lens):
+        blind = max(Sq - n, 0) if causal else (Sq if n == 0 else 0)  # the first queries see no key
+        one = course_attention_ref(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n],
+                                   causal, sm_scale)  # fmt: skip
+        out[b, :, blind:] = one[0, :, blind:]
+    return out
