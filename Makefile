@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 lint: setup
-	$(PY) -m ruff check kernels tests chapters solutions book/conf.py book/_ext
-	$(PY) -m ruff format --check kernels tests book/conf.py book/_ext
+	$(PY) -m ruff check kernels tests scripts chapters solutions book/conf.py book/_ext
+	$(PY) -m ruff format --check kernels tests scripts book/conf.py book/_ext
 
 # The whole suite in CPU mode: kernels, grader, notebooks under nbval, book.
 test: setup lint

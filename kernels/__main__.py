@@ -1,10 +1,7 @@
 """The course's command line: `python -m kernels COMMAND ...`; `--help` lists the commands."""
 
 import argparse
-import datetime
-import json
 import sys
-from pathlib import Path
 
 
 def doctor(_args) -> int:
@@ -44,29 +41,9 @@ def doctor(_args) -> int:
 
 
 def bench_command(args) -> int:
-    from kernels import bench, benchmarks, runtime
+    from kernels import benchmarks
 
-    if not runtime.ON_GPU:
-        path = bench.DATA_DIR / bench.RECORDED_GPU / "bench.json"
-        print(
-            "No GPU here: Triton runs in its interpreter on a CPU, so kernel timings would "
-            "mean nothing."
-        )
-        if not path.exists():
-            print(f"No recorded results yet ({path.name}): run `make gpu-record` on a GPU.")
-            return 0
-        result = json.loads(path.read_text())
-        print(f"Recorded results from {bench.describe(result['meta'])}:\n")
-    else:
-        result = benchmarks.run(args.names or None)
-        result["meta"] = {**runtime.versions(), "date": datetime.date.today().isoformat()}
-        if args.update and args.json and Path(args.json).exists():
-            result = benchmarks.merge(json.loads(Path(args.json).read_text()), result)
-    print(benchmarks.format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return benchmarks.main(args.names, json_path=args.json, update=args.update)
 
 
 def record_command(args) -> int:

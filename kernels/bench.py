@@ -1,4 +1,4 @@
-"""Measuring: one timing function, the machine's ceilings, achieved rates, recorded results.
+"""Measuring: the timers, the machine's ceilings, achieved rates, recorded results.
 
 Every number a chapter shows goes through here. On a GPU, times are medians from
 `triton.testing.do_bench` (warm-up, many runs, L2 flushed between runs). On a CPU, times
@@ -21,6 +21,9 @@ from kernels.runtime import DEVICE, ON_GPU, versions
 
 __all__ = [
     "time_ms",
+    "graph_ms",
+    "cpu_us_per_call",
+    "loop_us",
     "measure_ceilings",
     "achieved_gbps",
     "achieved_tflops",
@@ -53,6 +56,8 @@ def time_ms(fn, *args, **kwargs) -> float:
 def graph_ms(fn) -> float:
     """GPU milliseconds of fn() replayed from a CUDA graph: no Python, no launch overhead.
     GPU only; set against time_ms(fn), the gap is the host's cost of the call."""
+    if not ON_GPU:
+        raise RuntimeError("graph_ms replays a CUDA graph: it needs a CUDA GPU")
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -62,15 +67,44 @@ def graph_ms(fn) -> float:
 
 
 def cpu_us_per_call(fn, calls=2000) -> float:
-    """Microseconds of host time per call, with the GPU kept busy enough not to block."""
+    """Microseconds of host time per call, with the GPU kept busy enough not to block: the
+    clock stops before the final synchronize (unlike `loop_us`, which waits for the device)."""
     fn()
-    torch.cuda.synchronize()
+    _synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
+    _synchronize()
     return 1e6 * elapsed / calls
+
+
+def loop_us(fn, *args, budget_s: float = 0.05, rounds: int = 5, max_calls: int = 1 << 16) -> float:
+    """Microseconds per call of `fn(*args)` issued back to back from a Python loop, synchronizing
+    once at the end: the rate a training loop sees, overhead included (unlike `time_ms` on a
+    GPU, which times the device). The best of `rounds` loops of about `budget_s / rounds` each,
+    as timeit does: other processes only ever add time."""
+
+    def seconds(calls):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        _synchronize()
+        return time.perf_counter() - start
+
+    seconds(1)  # warm-up: caches, allocator, compilation
+    calls, elapsed = 1, seconds(1)
+    while elapsed < budget_s / rounds and calls < max_calls:
+        calls *= 2
+        elapsed = seconds(calls)
+    best = min([elapsed] + [seconds(calls) for _ in range(rounds - 1)])
+    return best / calls * 1e6
+
+
+def _synchronize():
+    # Wait for the GPU's queued work; on a CPU every call has finished when it returns.
+    if ON_GPU:
+        torch.cuda.synchronize()
 
 
 def _cpu_median_ms(call, budget_s: float = 0.2, max_runs: int = 1000) -> float:

@@ -7,13 +7,10 @@ cos_cos: cos(cos(x)) in one pass: half the bytes of eager `x.cos().cos()` (which
   intermediate to memory and reads it back).
 """
 
-import time
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import ON_GPU
 from kernels.validate import check_tensor
 
 BLOCK_SIZE = 1024
@@ -166,26 +163,3 @@ def first_repeat_above(repeats, ms, factor: float = 1.25) -> int:
         if t > factor * ms[0]:
             return r
     raise ValueError(f"no time in the sweep exceeds {factor} x the first")
-
-
-def loop_us(fn, *args, budget_s: float = 0.05, rounds: int = 5, max_calls: int = 1 << 16) -> float:
-    """Microseconds per call of `fn(*args)` issued back to back from a Python loop, synchronizing
-    once at the end: the rate a training loop sees, overhead included (unlike `time_ms` on a
-    GPU, which times the device). The best of `rounds` loops of about `budget_s / rounds` each,
-    as timeit does: other processes only ever add time."""
-    sync = torch.cuda.synchronize if ON_GPU else (lambda: None)
-
-    def seconds(calls):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn(*args)
-        sync()
-        return time.perf_counter() - start
-
-    seconds(1)  # warm-up: caches, allocator, compilation
-    calls, elapsed = 1, seconds(1)
-    while elapsed < budget_s / rounds and calls < max_calls:
-        calls *= 2
-        elapsed = seconds(calls)
-    best = min([elapsed] + [seconds(calls) for _ in range(rounds - 1)])
-    return best / calls * 1e6

@@ -1,5 +1,6 @@
 import json
 import math
+import time
 
 import matplotlib
 import pytest
@@ -124,6 +125,162 @@ def test_gpu_ceilings_are_plausible():
     c = bench.measure_ceilings()
     assert c["copy_gbps"] > 500
     assert c["matmul_tflops"]["bf16"] > 5 * c["matmul_tflops"]["fp32"]
+
+
+def test_loop_us_times_each_call():
+    calls = []
+    us = bench.loop_us(calls.append, 1, budget_s=0.01)
+    assert 0 < us < 1e4 and len(calls) >= 2 and set(calls) == {1}
+
+
+def test_loop_us_and_cpu_us_per_call_see_the_time_a_call_takes():
+    # a 2 ms call is 2000 us per call; other processes only ever add time
+    assert 2000 <= bench.loop_us(time.sleep, 0.002, budget_s=0.02, rounds=2) < 20_000
+    assert 2000 <= bench.cpu_us_per_call(lambda: time.sleep(0.002), calls=5) < 20_000
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU path")
+def test_graph_ms_says_it_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        bench.graph_ms(lambda: None)
+
+
+# --- the benchmark suite: kernels.benchmarks -------------------------------------------------
+RECORDED = json.loads((bench.DATA_DIR / bench.RECORDED_GPU / "bench.json").read_text())
+ROW_KEYS = {"name", "ms", "unit", "rate", "pct_of_ceiling", "baselines"}
+
+
+def test_the_registry_names_each_chapters_benchmarks_in_order():
+    from kernels import benchmarks
+
+    assert list(benchmarks.BENCHMARKS) == [
+        "add",
+        "regimes",
+        "matmul",
+        "fusion",
+        "softmax",
+        "norm_backward",
+        "attention",
+        "batch_invariant",
+    ]
+    modules = {name: fn.__module__ for name, fn in benchmarks.BENCHMARKS.items()}
+    assert modules["regimes"] == "kernels.benchmarks.regimes"
+    assert modules["matmul"] == "kernels.benchmarks.matmul"
+    assert modules["attention"] == "kernels.benchmarks.attention"
+    assert modules["batch_invariant"] == "kernels.benchmarks.batch_invariant"
+    assert {modules[n] for n in ("add", "fusion", "softmax", "norm_backward")} == {
+        "kernels.benchmarks.fusion"
+    }
+
+
+def test_run_measures_the_named_benchmarks_in_registry_order(monkeypatch):
+    from kernels import benchmarks
+
+    seen = []
+    fake = lambda label: lambda ceilings: seen.append(ceilings) or [{"name": label}]
+    monkeypatch.setattr(benchmarks, "BENCHMARKS", {"a": fake("a"), "b": fake("b")})
+    result = benchmarks.run(["b", "a"], ceilings=H200)
+    assert result == {"ceilings": H200, "rows": [{"name": "b"}, {"name": "a"}]}
+    assert benchmarks.run(ceilings=H200)["rows"] == [{"name": "a"}, {"name": "b"}]
+    assert seen == [H200] * 4
+    with pytest.raises(ValueError, match=r"unknown benchmarks \['c'\]; known: \['a', 'b'\]"):
+        benchmarks.run(["a", "c"], ceilings=H200)
+
+
+def test_a_row_is_rated_against_the_ceiling_of_its_regime():
+    from kernels.benchmarks import row
+
+    memory = row("copy", 2.0, bytes_moved=8.48e9, ceilings=H200, baselines={"torch": 1.0})
+    assert set(memory) == ROW_KEYS and memory["unit"] == "GB/s"
+    assert memory["rate"] == pytest.approx(4240.0) and memory["pct_of_ceiling"] == pytest.approx(
+        100
+    )
+    compute = row("mm", 1.0, flops=375e9, ceilings=H200, dtype="bf16")
+    assert compute["unit"] == "TFLOP/s" and compute["rate"] == pytest.approx(375.0)
+    assert compute["pct_of_ceiling"] == pytest.approx(50.0) and compute["baselines"] == {}
+    with pytest.raises(KeyError):
+        row("mm", 1.0, flops=1e9, ceilings=H200, dtype="fp8")
+
+
+def test_format_table_prints_rates_ceilings_and_ratios():
+    from kernels.benchmarks import format_table, row
+
+    rows = [
+        row("add", 2.0, bytes_moved=8.48e9, ceilings=H200, baselines={"torch": 4.0}),
+        {**row("serving", 10.0, bytes_moved=1, ceilings=H200), "pct_of_ceiling": None},
+    ]
+    lines = format_table({"ceilings": H200, "rows": rows}).splitlines()
+    assert lines[0] == "copy bandwidth 4240 GB/s; matmul bf16 750.0, fp16 750.0, fp32 65.0 TFLOP/s"
+    assert lines[1].split() == ["kernel", "ms", "rate", "%", "ceiling", "vs", "baselines"]
+    assert lines[2].split() == ["add", "2.0000", "4240.0", "GB/s", "100.0%", "torch", "2.00x"]
+    assert lines[3].split() == ["serving", "10.0000", "0.0", "GB/s"]  # no ceiling: left blank
+    assert "above 1 means the kernel is faster" in lines[4] and len(lines) == 5
+    assert format_table({"ceilings": H200, "rows": []}) == lines[0]
+
+
+def test_the_recorded_run_is_a_whole_table():
+    from kernels.benchmarks import format_table
+
+    assert "NVIDIA" in RECORDED["meta"]["device"]
+    assert set(RECORDED["ceilings"]) == {"copy_gbps", "matmul_tflops"}
+    names = [r["name"] for r in RECORDED["rows"]]
+    assert len(names) == len(set(names)), "a row name appears twice"
+    assert all(set(r) == ROW_KEYS and r["ms"] > 0 for r in RECORDED["rows"])
+    assert {r["unit"] for r in RECORDED["rows"]} <= {"GB/s", "TFLOP/s", "tok/s"}
+    # every row's name was written by a run listed in "runs"
+    assert set(names) <= {n for run in RECORDED["runs"] for n in run["rows"]}
+    table = format_table(RECORDED)
+    assert all(name in table for name in names)
+
+
+def test_a_new_run_merges_into_the_recorded_one_by_name():
+    from kernels.benchmarks import merge
+
+    first, *rest = RECORDED["rows"]
+    later = {
+        "ceilings": H200,
+        "meta": {"date": "later"},
+        "rows": [{**first, "ms": 2 * first["ms"]}, {**first, "name": "new row"}],
+    }
+    merged = merge(RECORDED, later)
+    assert [r["name"] for r in merged["rows"]] == [r["name"] for r in rest] + [
+        first["name"],
+        "new row",
+    ]
+    assert merged["rows"][-2]["ms"] == 2 * first["ms"]
+    assert merged["runs"][:-1] == RECORDED["runs"]
+    assert merged["runs"][-1] == {
+        "ceilings": H200,
+        "meta": {"date": "later"},
+        "rows": [
+            first["name"],
+            "new row",
+        ],
+    }
+    assert merged["ceilings"] == H200 and merged["meta"] == {"date": "later"}
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU path")
+def test_bench_on_a_cpu_prints_and_writes_the_recorded_run(tmp_path, capsys):
+    from kernels import benchmarks
+
+    out = tmp_path / "bench.json"
+    assert benchmarks.main(["matmul"], json_path=str(out)) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("No GPU here") and "Recorded results from NVIDIA H200" in printed
+    assert benchmarks.format_table(RECORDED) in printed
+    assert json.loads(out.read_text()) == RECORDED
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU path")
+def test_bench_on_a_cpu_without_a_recorded_run_says_so(tmp_path, monkeypatch, capsys):
+    from kernels import benchmarks
+
+    monkeypatch.setattr(bench, "DATA_DIR", tmp_path)
+    out = tmp_path / "bench.json"
+    assert benchmarks.main(json_path=str(out)) == 0
+    assert "No recorded results yet (bench.json): run `make gpu-record`" in capsys.readouterr().out
+    assert not out.exists()
 
 
 def test_merging_bench_runs_replaces_rows_by_name_and_keeps_each_run():

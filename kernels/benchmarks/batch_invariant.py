@@ -1,0 +1,92 @@
+"""Chapter 5's benchmark: what batch invariance costs. Each batch-invariant kernel against its
+ordinary counterpart, in bf16, and the tiny LM served with and without batch_invariant_mode()."""
+
+import contextlib
+
+import torch
+
+from kernels import bench
+from kernels.benchmarks.rows import row
+from kernels.runtime import DEVICE
+
+
+def bench_batch_invariant(ceilings):
+    """Matmul (M x 4096 @ 4096 x 4096) against cuBLAS, RMSNorm (rows of 4096) against the
+    course's rms_norm and PyTorch, decoding attention (one query, 32 heads of 128) against the
+    course's attention and SDPA; and serving the tiny LM with and without the mode."""
+    import torch.nn.functional as F
+
+    from kernels import batch_invariant as bi
+    from kernels.attention import attention
+    from kernels.norm import rms_norm
+
+    rows = []
+    n = k = 4096
+    b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
+    for m in (1, 16, 64, 256, 1024, 2048, 4096, 8192):
+        a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        cublas = {"cuBLAS": bench.time_ms(torch.mm, a, b)}
+        ms = bench.time_ms(bi.matmul, a, b)
+        name = f"invariant matmul M={m}"  # bf16, N = K = 4096
+        rows.append(
+            row(name, ms, flops=2 * m * n * k, ceilings=ceilings, dtype="bf16", baselines=cublas)
+        )
+    w = torch.randn(4096, device=DEVICE, dtype=torch.bfloat16)
+    for m in (1, 64, 4096, 16384):
+        x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
+        baselines = {
+            "kernels.norm.rms_norm": bench.time_ms(rms_norm, x, w),
+            "torch fp32 math": bench.time_ms(bi.rms_norm_ref, x, w),
+            "F.rms_norm": bench.time_ms(F.rms_norm, x, (4096,), w, 1e-6),
+        }
+        ms = bench.time_ms(bi.rms_norm, x, w)
+        name = f"invariant rms_norm {m}x4096"  # bf16
+        rows.append(
+            row(name, ms, bytes_moved=2 * x.numel() * 2, ceilings=ceilings, baselines=baselines)
+        )
+    for batch, keys in ((1, 4096), (8, 4096), (64, 1024), (32, 8192)):
+        q = torch.randn(batch, 32, 1, 128, device=DEVICE, dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, 32, keys, 128, device=DEVICE, dtype=q.dtype) for _ in "kv")
+        baselines = {
+            "kernels.attention": bench.time_ms(attention, q, k, v),
+            "SDPA": bench.time_ms(F.scaled_dot_product_attention, q, k, v),
+        }
+        ms = bench.time_ms(bi.attention, q, k, v)
+        name = f"invariant attention B={batch} Sk={keys}"  # bf16, Sq=1, H=32, D=128
+        rows.append(  # decoding reads the keys and values: 2 * numel bf16 elements
+            row(name, ms, bytes_moved=2 * k.numel() * 2, ceilings=ceilings, baselines=baselines)
+        )
+    rows.append(_serving_row())
+    return rows
+
+
+def _serving_row():
+    """Serving the same traffic to the tiny LM, default kernels against batch_invariant_mode()."""
+    from kernels.batch_invariant import batch_invariant_mode
+    from kernels.serving import run_experiment
+    from kernels.tiny_lm import TinyLM
+
+    model = TinyLM()
+    traffic = dict(
+        prompt="Tell me about Richard Feynman.",
+        copies=200,
+        new_tokens=32,
+        fillers=50,
+        max_batch=64,
+        spread=200,
+    )
+    seconds = {}
+    for mode in ("default", "invariant"):
+        with batch_invariant_mode() if mode == "invariant" else contextlib.nullcontext():
+            run_experiment(model, **dict(traffic, copies=8, fillers=2))  # warm-up, compiles
+            result = run_experiment(model, **traffic)
+        seconds[mode] = result["seconds"]
+    tokens = sum(len(r.tokens) for r in result["requests"])
+    return {  # no ceiling applies to tokens per second
+        "name": f"tiny LM serving {tokens} tokens",
+        "ms": 1e3 * seconds["invariant"],
+        "unit": "tok/s",
+        "rate": tokens / seconds["invariant"],
+        "pct_of_ceiling": None,
+        "baselines": {"default kernels": 1e3 * seconds["default"]},
+    }
