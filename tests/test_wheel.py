@@ -11,6 +11,7 @@ the editable install of `kernels`, do not run there), with no index and no depen
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import sysconfig
@@ -70,6 +71,14 @@ def built(tmp_path_factory):
     return wheel, out.stdout + out.stderr
 
 
+def _site_folders() -> list[str]:
+    """Where this environment's packages are (a venv's site-packages; a system python's
+    dist-packages and the user's site too)."""
+    folders = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    folders += site.getsitepackages()
+    return folders + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+
+
 def _editable_installs(folders) -> list[str]:
     return sorted(f.name for folder in folders for f in Path(folder).glob("__editable__*kernels*"))
 
@@ -83,7 +92,7 @@ def venv(built, tmp_path_factory):
     python = tmp / "env" / "bin" / "python"
     ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = Path(_run([python, "-c", ask], cwd=tmp).stdout.strip())
-    ours = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    ours = [p for p in dict.fromkeys(_site_folders()) if Path(p).is_dir()]
     (site / "reused_test_environment.pth").write_text("\n".join(ours) + "\n")
     # torch comes from this environment; kernels (its editable finder) does not
     probe = (
