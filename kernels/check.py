@@ -75,7 +75,8 @@ def compare(out, ref, *, op: str, dtype: torch.dtype | None = None, baseline=Non
 
     `dtype` (default: out's) and `op` pick the tolerance. With `baseline`, PyTorch's own
     same-dtype result, the rule for matmul and attention applies as well: the kernel's
-    relative error may be at most twice the baseline's.
+    relative error may be at most twice the baseline's. Where the reference is not finite the
+    output must match it: the same infinity, NaN for NaN (a fully masked softmax row).
     """
     if not isinstance(out, torch.Tensor):
         return Comparison(False, f"expected a tensor, got {type(out).__name__}")
@@ -86,7 +87,8 @@ def compare(out, ref, *, op: str, dtype: torch.dtype | None = None, baseline=Non
     if out.numel() == 0:
         return Comparison(True, "empty", 0.0)
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
-    bad_nan = (~torch.isfinite(out64)) & torch.isfinite(ref64)
+    finite = torch.isfinite(ref64)
+    bad_nan = ~torch.isfinite(out64) & finite
     if bad_nan.any():
         idx = tuple(int(i) for i in bad_nan.nonzero()[0])
         return Comparison(
@@ -94,10 +96,17 @@ def compare(out, ref, *, op: str, dtype: torch.dtype | None = None, baseline=Non
             f"{int(bad_nan.sum())} non-finite values where the reference is "
             f"finite (first at index {idx}): unwritten or overflowing output?",
         )
-    err = (out64 - ref64).abs()
-    err = torch.where(torch.isfinite(ref64), err, torch.zeros_like(err))
+    unmatched = ~finite & (out64 != ref64) & ~(out64.isnan() & ref64.isnan())
+    if unmatched.any():
+        idx = tuple(int(i) for i in unmatched.nonzero()[0])
+        return Comparison(
+            False,
+            f"{int(unmatched.sum())} values differ where the reference is not finite (first at "
+            f"index {idx}: got {out64[idx].item():.6g}, expected {ref64[idx].item():g})",
+        )
+    err = torch.where(finite, (out64 - ref64).abs(), 0.0)
     max_abs = err.max().item()
-    limit = tol.atol + tol.rtol * ref64.abs()
+    limit = tol.atol + tol.rtol * torch.where(finite, ref64.abs(), 0.0)
     within = bool((err <= limit).all())
     if baseline is not None:
         mine, theirs = relative_error(out, ref), relative_error(baseline, ref)
@@ -197,29 +206,51 @@ def poisoned_allocations():
             setattr(owner, name, allocate)
 
 
+def _widened(a):
+    """An fp64 copy of a floating-point tensor; anything else (integer indices, lengths) as is."""
+    return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def against_fp64(fn, *args, ref, op: str, baseline=None, **kwargs) -> Comparison:
     """The one kernel check that tests and chapters share: `fn(*args, **kwargs)` under poisoned
-    allocations, against `ref` run on fp64 copies of the tensor arguments.
+    allocations, against `ref` run on fp64 copies of the floating-point tensor arguments.
 
-    The output must be a fresh contiguous tensor with the inputs' dtype, and the inputs must
-    be unchanged. `baseline` (PyTorch's own op, run on the same 16-bit arguments) turns on the
-    matmul/attention rule: within twice torch's error passes too. Returns the Comparison
-    (`.ok`, `.message`); tests assert on it, chapters print it.
+    The output must be a fresh contiguous tensor with the dtype of the first floating-point
+    tensor argument, every element written, and every tensor argument (keywords too) unchanged.
+    `baseline` (PyTorch's own op, run on the same 16-bit arguments) turns on the matmul/attention
+    rule: within twice torch's error passes too. Returns the Comparison (`.ok`, `.message`);
+    tests assert on it, chapters print it.
     """
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    dtype = tensors[0].dtype
-    before = [t.clone() for t in tensors]
+    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    floats = [t for t in inputs if t.is_floating_point()]
+    if not floats:
+        raise TypeError("against_fp64 needs a floating-point tensor argument")
+    dtype = floats[0].dtype
+    before = [t.clone() for t in inputs]
     with poisoned_allocations():
         out = fn(*args, **kwargs)
-    wide = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
-    wide_kwargs = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    expected = ref(*wide, **wide_kwargs)
-    if isinstance(out, torch.Tensor) and out.dtype != dtype:
+    expected = ref(*map(_widened, args), **{k: _widened(v) for k, v in kwargs.items()})
+    if not isinstance(out, torch.Tensor):
+        return Comparison(False, f"expected a tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
         return Comparison(False, f"output dtype {out.dtype}, expected the inputs' {dtype}")
-    if isinstance(out, torch.Tensor) and not out.is_contiguous():
+    if not out.is_contiguous():
         return Comparison(False, f"output is not contiguous (strides {out.stride()})")
-    if any(not torch.equal(b, t) for b, t in zip(before, tensors, strict=True)):
-        return Comparison(False, "an input was modified")
+    if out.numel() and any(t.numel() and _shares_memory(out, t) for t in inputs):
+        return Comparison(False, "the output shares memory with an input: allocate a fresh one")
+    for i, (b, t) in enumerate(zip(before, inputs, strict=True)):
+        if not torch.equal(b, t):
+            return Comparison(False, f"tensor argument {i} (shape {tuple(t.shape)}) was modified")
+    never = unwritten(out) if out.shape == expected.shape else None
+    if never is not None and never.any():  # wherever the reference is, finite or not
+        first = tuple(int(i) for i in never.nonzero()[0])
+        return Comparison(
+            False, f"{int(never.sum())} output elements never written (first at index {first})"
+        )
     theirs = None
     if baseline is not None and dtype in (torch.float16, torch.bfloat16):
         theirs = baseline(*args, **kwargs)

@@ -3,10 +3,12 @@ import torch
 from params import DTYPES
 
 from kernels import check
-from kernels.elementwise import add, add_ref, bias_gelu, bias_gelu_ref
+from kernels.elementwise import BLOCK_SIZE, add, add_ref, bias_gelu, bias_gelu_ref
 from kernels.runtime import DEVICE
 
-SHAPES = [(1,), (3,), (1023,), (1025,), (4097,), (3, 127), (2, 3, 129)]
+# the odd sizes, one block plus and minus one, and leading dims
+SHAPES = [(n,) for n in sorted({*check.ODD_SIZES, BLOCK_SIZE - 1, BLOCK_SIZE + 1})]
+SHAPES += [(3, 127), (2, 3, 129)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -14,11 +16,8 @@ SHAPES = [(1,), (3,), (1023,), (1025,), (4097,), (3, 127), (2, 3, 129)]
 def test_add_matches_reference(shape, dtype):
     x = check.random_tensor(shape, dtype, seed=1)
     y = check.random_tensor(shape, dtype, seed=2)
-    x0, y0 = x.clone(), y.clone()
-    with check.poisoned_allocations():
-        out = add(x, y)
-    check.assert_close(out, add_ref(x.double(), y.double()), op="elementwise", dtype=dtype)
-    assert torch.equal(x, x0) and torch.equal(y, y0)
+    r = check.against_fp64(add, x, y, ref=add_ref, op="elementwise")
+    assert r.ok, r.message
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -26,18 +25,25 @@ def test_add_matches_reference(shape, dtype):
 def test_bias_gelu_matches_reference(shape, dtype):
     x = check.random_tensor(shape, dtype, seed=3, scale=2.0)
     bias = check.random_tensor(shape[-1:], dtype, seed=4)
-    with check.poisoned_allocations():
-        out = bias_gelu(x, bias)
-    ref = bias_gelu_ref(x.double(), bias.double())
-    check.assert_close(out, ref, op="elementwise", dtype=dtype)
+    r = check.against_fp64(bias_gelu, x, bias, ref=bias_gelu_ref, op="elementwise")
+    assert r.ok, r.message
 
 
 def test_non_contiguous_and_empty_inputs():
-    x = check.random_tensor((64, 48), seed=5).t()
+    transposed = check.random_tensor((64, 48), seed=5).t()
+    strided = check.random_tensor((48, 128), seed=7)[:, ::2]  # not dense: flat indexing fails
     y = check.random_tensor((48, 64), seed=6)
-    check.assert_close(add(x, y), x.double() + y.double(), op="elementwise")
-    assert add(x[:0], y[:0]).shape == (0, 64)
-    assert bias_gelu(x[:0], y[0, :64]).shape == (0, 64)
+    bias = check.random_tensor((64,), seed=8)
+    for x in (transposed, strided):
+        assert not x.is_contiguous()
+        r = check.against_fp64(add, x, y, ref=add_ref, op="elementwise")
+        assert r.ok, r.message
+        r = check.against_fp64(add, y, x, ref=add_ref, op="elementwise")
+        assert r.ok, r.message
+        r = check.against_fp64(bias_gelu, x, bias, ref=bias_gelu_ref, op="elementwise")
+        assert r.ok, r.message
+    assert add(transposed[:0], y[:0]).shape == (0, 64)
+    assert bias_gelu(transposed[:0], y[0, :64]).shape == (0, 64)
 
 
 def test_bad_inputs_get_clear_errors():

@@ -1,47 +1,100 @@
+import json
 import os
+import re
 import subprocess
 import sys
 
-import torch
+import pytest
 
-from kernels import runtime
+from kernels import bench, runtime
+
+# What a fresh process reports about its mode: every name the chapters and the grader branch on.
+REPORT_MODE = (
+    "import json, os, kernels, kernels.runtime as r;"
+    "print(json.dumps({'on_gpu': r.ON_GPU, 'interpret': r.INTERPRET, 'device': str(r.DEVICE),"
+    " 'env': os.environ.get('TRITON_INTERPRET'), 'pick': r.pick(cpu='cpu', gpu='gpu'),"
+    " 'name': r.device_name(), 'processors': r.processors(), 'mode': r.versions()['mode'],"
+    " 'top': (kernels.ON_GPU, kernels.INTERPRET, str(kernels.DEVICE))}))"
+)
 
 
-def test_mode_matches_the_machine():
-    assert runtime.ON_GPU == torch.cuda.is_available()
-    assert runtime.DEVICE.type == ("cuda" if runtime.ON_GPU else "cpu")
-    if not runtime.ON_GPU:
-        assert runtime.INTERPRET and os.environ["TRITON_INTERPRET"] == "1"
+def _run(code, **env_changes):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_changes)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out
 
 
-def test_pick_returns_the_value_for_this_mode():
-    assert runtime.pick(cpu=1, gpu=2) == (2 if runtime.ON_GPU else 1)
+def _mode(**env_changes) -> dict:
+    return json.loads(_run(REPORT_MODE, **env_changes).stdout.splitlines()[-1])
+
+
+def test_without_a_gpu_the_process_runs_in_cpu_mode():
+    # CUDA hidden (on a GPU machine too): the interpreter, CPU tensors, the CPU's values
+    mode = _mode(CUDA_VISIBLE_DEVICES="")
+    assert mode == {
+        "on_gpu": False,
+        "interpret": True,
+        "device": "cpu",
+        "env": "1",
+        "pick": "cpu",
+        "name": "cpu",
+        "processors": 16,
+        "mode": "interpret",
+        "top": [False, True, "cpu"],  # the package's face says the same
+    }
+
+
+@pytest.mark.gpu
+def test_with_a_gpu_the_process_compiles_for_it():
+    mode = _mode()
+    assert mode["on_gpu"] and not mode["interpret"] and mode["env"] is None
+    assert mode["device"] == "cuda" and mode["pick"] == "gpu" and mode["mode"] == "compile"
+    assert mode["name"].startswith("NVIDIA") and mode["processors"] >= 16
+    # TRITON_INTERPRET set by hand on a GPU machine is honoured (doctor warns about it)
+    forced = _mode(TRITON_INTERPRET="1")
+    assert forced["on_gpu"] and forced["interpret"] and forced["mode"] == "interpret"
 
 
 def test_interpreter_is_set_before_any_kernel_is_defined():
     # A fresh process that imports a kernel module first must still get the right mode.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
         "import torch, kernels.elementwise as e, kernels.runtime as r;"
         "x = torch.ones(5, device=r.DEVICE);"
         "print(e.add(x, x).sum().item(), r.INTERPRET)"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[0] == "10.0"
-    assert out.stdout.split()[1] == str(not runtime.ON_GPU)
-
-
-def test_versions_names_device_and_libraries():
-    info = runtime.versions()
-    assert info["device"] == runtime.device_name()
-    assert info["torch"] == torch.__version__
-    assert info["mode"] in ("interpret", "compile")
+    for hide_cuda in ({"CUDA_VISIBLE_DEVICES": ""}, {}):
+        out = _run(code, **hide_cuda)
+        assert out.stdout.split()[0] == "10.0"
+        assert out.stdout.split()[1] == str(bool(hide_cuda) or not runtime.ON_GPU)
 
 
 def test_importing_triton_first_on_a_cpu_is_flagged():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import triton, kernels"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert ("import kernels first" in out.stderr) == (not runtime.ON_GPU)
+    out = _run("import triton, kernels", CUDA_VISIBLE_DEVICES="")
+    assert "import kernels first" in out.stderr
+    assert "import kernels first" not in _run("import kernels, triton").stderr
+    as_is = _run("import triton, kernels").stderr  # a GPU compiles: the order does not matter
+    assert ("import kernels first" in as_is) == (not runtime.ON_GPU)
+
+
+def test_versions_has_what_the_recorders_write_and_bench_reads():
+    info = runtime.versions()
+    json.dumps(info)  # written beside every recorded number
+    assert all(isinstance(v, str) and v for v in info.values()), info
+    for library in ("torch", "triton", "numpy", "python"):
+        assert re.match(r"\d+\.\d+", info[library]), (library, info[library])
+    assert info["mode"] == ("interpret" if runtime.INTERPRET else "compile")
+    assert ("cuda" in info and "driver" in info) == runtime.ON_GPU
+    described = bench.describe({**info, "date": "today"})
+    assert described == f"{info['device']}, torch {info['torch']}, triton {info['triton']}, today"
+
+
+def test_recorded_results_carry_the_keys_versions_gives_on_a_gpu():
+    paths = sorted(bench.DATA_DIR.glob("*/*.json"))
+    assert paths, f"no recorded results in {bench.DATA_DIR}"
+    on_gpu = set(runtime.versions()) | {"cuda", "driver", "date"}
+    for path in paths:
+        meta = json.loads(path.read_text())["meta"]
+        assert set(meta) == on_gpu, f"{path.name}: {sorted(meta)} != {sorted(on_gpu)}"
+        assert meta["mode"] == "compile" and meta["device"].startswith("NVIDIA"), path.name
