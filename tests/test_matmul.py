@@ -268,10 +268,24 @@ FORCED_PLANS = {  # each copy the GPU makes for large problems, run here by the 
 def test_launcher_carries_out_each_plan(name, monkeypatch):
     forced = FORCED_PLANS[name]
     monkeypatch.setattr(tuning, "plan", lambda a, b, kernel=None: forced)
+    launched = []
+    launch = matmul_module._launch
+
+    def recorded(a, b, bias, activation, how):
+        launched.append((a.shape, b.shape, b.stride(), how))
+        return launch(a, b, bias, activation, how)
+
+    monkeypatch.setattr(matmul_module, "_launch", recorded)
     n = 40 if forced.tma else 37  # the TMA needs rows of 16-byte multiples
-    a, b = operands(29, n, 24 if forced.tma else 35, torch.float32, seed=30)
+    k = 24 if forced.tma else 35
+    a, b = operands(29, n, k, torch.float32, seed=30)
     bias = check.random_tensor((n,), seed=31)
     check_matmul(a, b, bias, "gelu")
+    (a_shape, b_shape, b_strides, how), *_ = launched
+    assert how == forced
+    kp, np_ = (64, 64) if forced.pad else (k, n)  # the padded copies' K and N
+    assert (a_shape, b_shape) == ((29, kp), (kp, np_))
+    assert b_strides == ((1, kp) if forced.k_major_b else (np_, 1))
 
 
 # The backward: gradients of <out, dout> against fp64 autograd through matmul_ref.
