@@ -26,14 +26,15 @@ from kernels.validate import check_matmul_inputs
 
 
 def _launch_metadata(grid, kernel, args) -> dict:
-    """What a profiler trace shows for one launch of either kernel: its shape, FLOPs, bytes."""
-    M, N, K = args["M"], args["N"], args["K"]
-    es = args["bias_ptr"].element_size()  # the bias, or c standing in: the inputs' dtype
-    bias = N if args["HAS_BIAS"] else 0
+    """What a profiler trace shows for one launch of either kernel: its shape, FLOPs, bytes.
+    Read from the tensors, not the constexprs (older Triton passed those differently)."""
+    M, N, K, bias = args["M"], args["N"], args["K"], args["bias_ptr"]
+    es = bias.element_size()  # the bias, or c standing in: the inputs' dtype either way
+    bias_elements = N if bias.dim() == 1 else 0  # c, standing in, is 2-D
     return {
         "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
         "flops": 2.0 * M * N * K,
-        "bytes": es * (M * K + K * N + M * N + bias),  # each operand once, the output once
+        "bytes": es * (M * K + K * N + M * N + bias_elements),  # each operand once, c once
     }
 
 
@@ -190,9 +191,9 @@ def _activation_grad(z, activation):
     """d act(z) / dz in fp32: exact GELU's Phi(z) + z * phi(z), ReLU's step (0 at z = 0)."""
     z = z.float()
     if activation == "gelu":
-        return 0.5 * (1.0 + torch.erf(z * math.sqrt(0.5))) + z * torch.exp(-0.5 * z * z) / (
-            math.sqrt(2 * math.pi)
-        )
+        cdf = 0.5 * (1.0 + torch.erf(z * math.sqrt(0.5)))
+        pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+        return cdf + z * pdf
     return (z > 0).float()
 
 

@@ -37,9 +37,13 @@ def _num_warps(block: int, values_per_thread: int) -> int:
 
 def _launch_metadata(grid, kernel, args) -> dict:
     """What a profiler trace shows for a launch of a norm kernel: rows x cols, FLOPs counted
-    per element of x, bytes counting each tensor read or written once."""
+    per element of x, bytes counting each tensor read or written once. Read from the tensors,
+    not the constexprs (older Triton passed those differently)."""
     backward = "dy_ptr" in args
-    layer_norm = args["LAYER_NORM"] if backward else "b_ptr" in args
+    if backward:  # RMSNorm's backward passes its dw partials as the unused db partials too
+        layer_norm = args["db_part_ptr"] is not args["dw_part_ptr"]
+    else:
+        layer_norm = "b_ptr" in args
     rows = args["n_rows"] if backward else grid[0]  # the forward: one program per row
     cols, es = args["n_cols"], args["x_ptr"].element_size()
     n = 2 if layer_norm else 1  # LayerNorm's two: w and b, mean and rstd, dw and db partials

@@ -395,7 +395,7 @@ def attached_metadata(kernel):
 def test_launch_metadata_names_shape_flops_and_bytes(kernel, dtype):
     m, n, k = 300, 70, 129
     c = torch.empty(m, n, dtype=dtype)
-    args = {"M": m, "N": n, "K": k, "bias_ptr": c, "HAS_BIAS": False, "c_ptr": c}
+    args = {"M": m, "N": n, "K": k, "bias_ptr": c}  # without a bias, c stands in
     compiled = types.SimpleNamespace(name=kernel.fn.__name__)
     describe = attached_metadata(kernel)
     info = describe((4, 1, 1), compiled, args)
@@ -404,7 +404,7 @@ def test_launch_metadata_names_shape_flops_and_bytes(kernel, dtype):
     es = 4 if dtype == torch.float32 else 2
     assert info["bytes"] == es * (300 * 129 + 129 * 70 + 300 * 70)
     bias = torch.empty(n, dtype=dtype)
-    with_bias = describe((4, 1, 1), compiled, {**args, "bias_ptr": bias, "HAS_BIAS": True})
+    with_bias = describe((4, 1, 1), compiled, {**args, "bias_ptr": bias})
     assert with_bias["bytes"] == info["bytes"] + es * n
 
 

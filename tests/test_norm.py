@@ -182,7 +182,8 @@ def test_launch_metadata_names_shape_flops_and_bytes(dtype):
     x = torch.empty(rows, cols, dtype=dtype)
     es = x.element_size()
     forward = {"x_ptr": x, "n_cols": cols}
-    backward = {"dy_ptr": x, "x_ptr": x, "n_rows": rows, "n_cols": cols}
+    partials = torch.empty(programs, cols)
+    backward = {"dy_ptr": x, "x_ptr": x, "n_rows": rows, "n_cols": cols, "dw_part_ptr": partials}
     cases = {  # kernel: (grid, arguments, FLOPs per element, bytes)
         "rms_norm_fwd_kernel": ((rows,), forward, 4, es * (2 * rows * cols + cols) + 4 * rows),
         "layer_norm_fwd_kernel": (
@@ -193,7 +194,7 @@ def test_launch_metadata_names_shape_flops_and_bytes(dtype):
         ),
         "norm_bwd_kernel": (
             (programs,),
-            {**backward, "LAYER_NORM": False},
+            {**backward, "db_part_ptr": partials},
             9,
             es * (3 * rows * cols + cols) + 4 * (rows + programs * cols),
         ),
@@ -205,7 +206,7 @@ def test_launch_metadata_names_shape_flops_and_bytes(dtype):
         assert info["flops"] == per_element * rows * cols
         assert info["bytes"] == moved, name
     layer_norm = _attached_metadata(norm_module.norm_bwd_kernel)(
-        (programs,), compiled, {**backward, "LAYER_NORM": True}
+        (programs,), compiled, {**backward, "db_part_ptr": partials.clone()}
     )
     assert layer_norm["flops"] == 13 * rows * cols  # and mean, db partials: twice the fp32
     assert layer_norm["bytes"] == es * (3 * rows * cols + cols) + 8 * (rows + programs * cols)
