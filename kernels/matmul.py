@@ -1,4 +1,4 @@
-"""Matrix multiplication with a fused epilogue: act(a @ b + bias).
+"""Matrix multiplication with a fused epilogue: act(a @ b + bias), differentiable.
 
 a (M, K) @ b (K, N) does 2*M*N*K FLOPs and must move at least (M*K + K*N + M*N) elements,
 so for large sizes it is compute-bound. Each program computes one BLOCK_M x BLOCK_N tile of
@@ -7,19 +7,38 @@ BLOCK_N (for a) or BLOCK_M (for b) times. Bias and activation are applied to the
 before its one store, which saves a round trip of the M x N output through memory.
 
 Two kernels compute the same tiles: matmul_kernel loads them through pointers, any layout;
-matmul_tma_kernel has Hopper's TMA copy them from tensor descriptors. matmul() picks one.
+matmul_tma_kernel has Hopper's TMA copy them from tensor descriptors. Which one, and which
+copies come first, is kernels.matmul_tuning.plan()'s decision, made once per call.
+The backward is three more matmuls through the same launcher (see MatmulFunction).
 """
+
+import math
 
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
+from kernels import matmul_tuning as tuning
 from kernels.primitives import epilogue, grouped_tile
-from kernels.runtime import INTERPRET, ON_GPU
-from kernels.validate import check_matmul_inputs, input_precision
+from kernels.runtime import INTERPRET
+from kernels.validate import check_matmul_inputs
 
 
-@triton.jit
+def _launch_metadata(grid, kernel, args) -> dict:
+    """What a profiler trace shows for one launch of either kernel: its shape, FLOPs, bytes.
+    Read from the tensors, not the constexprs (older Triton passed those differently)."""
+    M, N, K, bias = args["M"], args["N"], args["K"], args["bias_ptr"]
+    es = bias.element_size()  # the bias, or c standing in: the inputs' dtype either way
+    bias_elements = N if bias.dim() == 1 else 0  # c, standing in, is 2-D
+    return {
+        "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
+        "flops": 2.0 * M * N * K,
+        "bytes": es * (M * K + K * N + M * N + bias_elements),  # each operand once, c once
+    }
+
+
+@triton.jit(launch_metadata=_launch_metadata)
 def matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -51,7 +70,7 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(launch_metadata=_launch_metadata)
 def matmul_tma_kernel(
     a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -76,171 +95,73 @@ def matmul_tma_kernel(
     c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))  # clipped at the edges
 
 
-def tile_config(block_m, block_n, block_k, num_warps, num_stages, group_m=8):
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m}
-    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
-
-
-# Hopper (H100/H200) candidates, chosen with scripts/tune_matmul.py on an H200: a 128x256 tile
-# with BLOCK_K=64 was within a few percent of cuBLAS at 2048-8192 in bf16 and fp16; 256x128
-# and a 128-deep K step did best on x @ W.t() layer shapes; 64x128 spreads a 1024^2 output
-# over the 132 SMs (0.92x cuBLAS there, against 0.53x for the best larger tile); BLOCK_K=32
-# leaves room in shared memory for fp32's larger elements. Few configs: each one costs a
-# compile and a timing per new shape.
-CONFIGS = [
-    tile_config(128, 256, 64, num_warps=8, num_stages=3),
-    tile_config(128, 256, 64, num_warps=8, num_stages=4),
-    tile_config(256, 128, 64, num_warps=8, num_stages=4),
-    tile_config(128, 128, 128, num_warps=8, num_stages=3),
-    tile_config(128, 128, 64, num_warps=8, num_stages=4),
-    tile_config(128, 128, 32, num_warps=8, num_stages=3),
-    tile_config(64, 128, 64, num_warps=4, num_stages=4),
-    tile_config(64, 128, 32, num_warps=4, num_stages=4),
-]
-# The interpreter runs programs one after another in Python: one small config, no tuning.
-INTERPRETER_CONFIG = tile_config(32, 32, 32, num_warps=4, num_stages=1)
-
-
-def shared_memory_bytes(config, element_size: int) -> int:
-    """Shared memory the software pipeline needs: num_stages copies of an A and a B tile."""
-    m, n, k = (config.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    return config.num_stages * (m * k + k * n) * element_size
-
-
-def shared_memory_limit(device_index: int = 0) -> int:
-    """Bytes of shared memory one program may use on this GPU (227 KiB on Hopper)."""
-    from triton.runtime import driver
-
-    return driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-
-
-def configs_to_try(configs, m: int, n: int, element_size: int, limit: int):
-    """The configs worth timing for an m x n output: those whose slabs fit in `limit` bytes of
-    shared memory; and when the output is no bigger than the largest tile, only the smallest
-    tile (bigger ones only add masked work and leave SMs idle), which needs no timing at all."""
-    size = lambda c: shared_memory_bytes(c, element_size)
-    fitting = [c for c in configs if size(c) <= limit] or [min(configs, key=size)]
-    area = lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
-    if m * n <= max(area(c) for c in fitting):
-        return [min(fitting, key=area)]
-    return fitting
-
-
-def _prune(configs, named_args, **kwargs):
-    a = named_args["a_ptr"] if "a_ptr" in named_args else named_args["a_desc"].base
-    limit = shared_memory_limit(a.device.index)
-    return configs_to_try(configs, named_args["M"], named_args["N"], a.element_size(), limit)
-
-
 matmul_kernel_autotuned = triton.autotune(
-    configs=CONFIGS,
+    configs=tuning.CONFIGS,
     key=["M", "N", "K", "INPUT_PRECISION"],  # the autotuner adds the dtypes itself
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": tuning.prune_configs},
 )(matmul_kernel)
-
-
-def set_tma_blocks(nargs):
-    """Before each launch: the descriptors' block shapes are the config's tile and slabs."""
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    nargs["a_desc"].block_shape = [bm, bk]
-    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_IS_W"] else [bk, bn]
-    nargs["c_desc"].block_shape = [bm, bn]
-
-
-TMA_CONFIGS = [
-    triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=set_tma_blocks)
-    for c in CONFIGS
-]
 matmul_tma_autotuned = triton.autotune(
-    configs=TMA_CONFIGS,
+    configs=tuning.TMA_CONFIGS,
     # descriptors carry no dtype the autotuner sees; bias_ptr (c itself without a bias) does
     key=["M", "N", "K", "INPUT_PRECISION", "B_IS_W"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": tuning.prune_configs},
 )(matmul_tma_kernel)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
-    """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu"
-    (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype. On Hopper,
-    large fp16/bf16 problems go through the TMA kernel (uses_tma), the rest through pointers."""
-    return _matmul(a, b, bias, activation, kernel=None)
-
-
-def matmul_tma(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
-    """matmul through the TMA kernel, whatever the size: a and b row-major with 16-byte
-    aligned rows, or b = W.t() for a row-major W (N, K). Hopper and later, or the interpreter."""
-    return _matmul(a, b, bias, activation, kernel="tma")
-
-
-def matmul_pointers(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
-    """matmul through the pointer kernel (matmul_kernel), whatever the size."""
-    return _matmul(a, b, bias, activation, kernel="pointers")
-
-
 def _matmul(a, b, bias, activation, kernel):
-    check_matmul_inputs(a, b, bias, activation)
+    """act(a @ b + bias) for validated operands: the plan's copies, then its kernel."""
     (M, K), N = a.shape, b.shape[1]
-    if kernel == "tma" and (problem := tma_problem(a, b)):
-        raise ValueError(f"the TMA kernel cannot load these operands: {problem}")
+    how = tuning.plan(a, b, kernel)
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     if K == 0:  # an empty sum: zeros, then the epilogue
-        acc = torch.zeros((M, N), dtype=torch.float32, device=a.device)
-        return _epilogue_ref(acc, bias, activation).to(a.dtype)
-    if kernel is None and not INTERPRET and M * N * K >= PAD_MIN_WORK:
-        if not _aligned(a, b):
-            a, b, bias = pad_operands(a, b, bias)
-            return matmul(a, b, bias, activation)[:, :N].contiguous()
-        # Hopper's tensor cores read TF32 operands from shared memory only K-major; b (K, N)
-        # row-major is N-major, and TF32 ran at 0.21x cuBLAS at 4096^3 on an H200, against
-        # 0.75x for the same values stored as W.t(). The transposing copy is one pass over b.
-        if a.dtype == torch.float32 and input_precision(a.dtype) == "tf32" and b.stride(1) == 1:
-            b = b.t().contiguous().t()
-    tma = uses_tma(a, b) if kernel is None else kernel == "tma"
-    return _launch(a, b, bias, activation, tma)
+        return matmul_ref(a, b, bias, activation)
+    if how.pad:
+        a, b, bias = tuning.pad_operands(a, b, bias)
+    if how.k_major_b:
+        b = b.t().contiguous().t()
+    c = _launch(a, b, bias, activation, how)
+    return c[:, :N].contiguous() if how.pad else c
 
 
-def _tiles(M, N, meta) -> int:
-    return triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-
-
-def _launch(a, b, bias, activation, tma: bool):
+def _launch(a, b, bias, activation, how):
     (M, K), N = a.shape, b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    flags = _flags(a, b, bias, activation, tma)
+    flags = _flags(how, bias, activation)
     bias = c if bias is None else bias.contiguous()  # without a bias, c stands in, never read
-    if tma:
-        args = (*tma_descriptors(a, b, c, flags["B_IS_W"]), bias, M, N, K)
+    if how.tma:
+        args = (*tuning.tma_descriptors(a, b, c, how.b_is_w), bias, M, N, K)
         kernel, autotuned = matmul_tma_kernel, matmul_tma_autotuned
     else:
         args = (a, b, c, bias, M, N, K, *a.stride(), *b.stride(), *c.stride())
         kernel, autotuned = matmul_kernel, matmul_kernel_autotuned
     if INTERPRET:
-        meta = INTERPRETER_CONFIG.kwargs
-        kernel[(_tiles(M, N, meta),)](*args, **flags, **meta)
+        meta = tuning.INTERPRETER_CONFIG.kwargs
+        kernel[(tuning.tile_count(M, N, meta),)](*args, **flags, **meta)
         return c
-    key = _plan_key(a, b, flags, tma)
+    key = _plan_key(a, b, flags, how.tma)
     config = _chosen.get(key)
     if config is None:  # first time: the autotuner times the configs and keeps the fastest
-        autotuned[lambda meta: (_tiles(M, N, meta),)](*args, **flags)
+        autotuned[lambda meta: (tuning.tile_count(M, N, meta),)](*args, **flags)
         _chosen[key] = autotuned.best_config
         return c
     meta = config.all_kwargs()
-    if tma:
-        set_tma_blocks({"a_desc": args[0], "b_desc": args[1], "c_desc": args[2], **flags, **meta})
-    kernel[(_tiles(M, N, meta),)](*args, **flags, **meta)
+    if how.tma:
+        descriptors = {"a_desc": args[0], "b_desc": args[1], "c_desc": args[2]}
+        tuning.set_tma_blocks({**descriptors, **flags, **meta})
+    kernel[(tuning.tile_count(M, N, meta),)](*args, **flags, **meta)
     return c
 
 
-def _flags(a, b, bias, activation, tma: bool) -> dict:
-    """The kernels' constexpr flags for these operands (B_IS_W only for the TMA kernel)."""
+def _flags(how, bias, activation) -> dict:
+    """The kernels' constexpr flags for this plan (B_IS_W only for the TMA kernel)."""
     flags = {
         "HAS_BIAS": bias is not None,
         "ACTIVATION": activation or "none",
-        "INPUT_PRECISION": input_precision(a.dtype),
+        "INPUT_PRECISION": how.input_precision,
     }
-    if tma:
-        flags["B_IS_W"] = b.stride(1) != 1
+    if how.tma:
+        flags["B_IS_W"] = how.b_is_w
     return flags
 
 
@@ -259,91 +180,80 @@ def chosen_config(a, b, bias=None, activation=None):
     """The config kernels.matmul launches for these operands (after a first call has tuned
     it; None before, and for operands it copies first, padded), and whether it uses the TMA."""
     if INTERPRET:
-        return INTERPRETER_CONFIG, False
-    tma = uses_tma(a, b)
-    return _chosen.get(_plan_key(a, b, _flags(a, b, bias, activation, tma), tma)), tma
+        return tuning.INTERPRETER_CONFIG, False
+    how = tuning.plan(a, b)
+    if how.pad:
+        return None, how.tma
+    return _chosen.get(_plan_key(a, b, _flags(how, bias, activation), how.tma)), how.tma
 
 
-# The TMA copies whole tiles between global and shared memory given a descriptor: the base
-# address, the shape, the strides and the tile's shape. It needs 16-byte aligned base and row
-# strides and a contiguous last dim. On an H200 it raised x @ W.t() on LLM layer shapes from
-# 0.79-0.84x cuBLAS (pointer loads) to 0.88-0.89x, and bf16 4096^3 from 0.97x to 1.04x.
-TMA_DTYPES = (torch.float16, torch.bfloat16)
-# Below 2**34 (4096 x 4096 x 1024) the pointer kernel was as fast or faster (2048^3: 1.00x
-# against 0.63x cuBLAS), and the three descriptors cost host time (scripts/tune_matmul.py --paths).
-TMA_MIN_WORK = 1 << 34
-TMA_GPU = ON_GPU and not INTERPRET and torch.cuda.get_device_capability()[0] >= 9
+def _activation_grad(z, activation):
+    """d act(z) / dz in fp32: exact GELU's Phi(z) + z * phi(z), ReLU's step (0 at z = 0)."""
+    z = z.float()
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(z * math.sqrt(0.5)))
+        pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+        return cdf + z * pdf
+    return (z > 0).float()
 
 
-def tma_problem(a, b) -> str:
-    """Why the TMA kernel cannot take a @ b, or "" when it can."""
-    es = a.element_size()
-    rows_ok = lambda t, dim: t.stride(1 - dim) == 1 and (t.stride(dim) * es) % 16 == 0
-    if not rows_ok(a, 0):
-        return f"a needs contiguous rows of 16-byte multiples, got strides {a.stride()}"
-    if not (rows_ok(b, 0) or rows_ok(b, 1)):  # b (K, N) row-major, or b = W.t()
-        return f"b must be row-major or W.t() with 16-byte aligned rows, got strides {b.stride()}"
-    if (b.shape[1] * es) % 16:
-        return f"the output's rows of {b.shape[1]} elements are not a multiple of 16 bytes"
-    if a.data_ptr() % 16 or b.data_ptr() % 16:
-        return "a and b must start at 16-byte aligned addresses"
-    return ""
+class MatmulFunction(torch.autograd.Function):
+    """out = act(a @ b + bias). With dz = dout * act'(z), z = a @ b + bias: da = dz @ b.T,
+    db = a.T @ dz, dbias = dz summed over rows; each a matmul (2*M*N*K FLOPs) through the
+    same launcher, computed only when asked for. z is recomputed (one more matmul) rather
+    than stored, and only when there is an activation."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias, activation, kernel):
+        ctx.save_for_backward(a, b, bias)
+        ctx.activation, ctx.kernel = activation, kernel
+        return _matmul(a, b, bias, activation, kernel)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        a, b, bias = ctx.saved_tensors
+        needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
+        dz = dout
+        if ctx.activation is not None:
+            z = _matmul(a, b, bias, None, ctx.kernel)  # (M, N), in a's dtype
+            dz = (dout.float() * _activation_grad(z, ctx.activation)).to(a.dtype)
+        da = _matmul(dz, b.t(), None, None, None) if needs_a else None  # (M, N) @ (N, K)
+        db = _matmul(a.t(), dz, None, None, None) if needs_b else None  # (K, M) @ (M, N)
+        dbias = dz.sum(0, dtype=torch.float32).to(a.dtype) if needs_bias else None
+        return da, db, dbias, None, None
 
 
-def uses_tma(a, b) -> bool:
-    """Whether kernels.matmul sends a @ b to the TMA kernel: fp16/bf16 on Hopper or later,
-    problems big enough to be compute-bound, operands the TMA can read."""
-    M, K, N = *a.shape, b.shape[1]
-    return TMA_GPU and a.dtype in TMA_DTYPES and M * N * K >= TMA_MIN_WORK and not tma_problem(a, b)
+def _needs_grad(*tensors) -> bool:
+    # Without a gradient to compute, skip autograd's bookkeeping: on a small input the
+    # host's time per call, not the GPU's, sets the pace (Chapter 1's overhead regime).
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def tma_descriptors(a, b, c, b_is_w: bool):
-    """Host-side descriptors of a, b (or W = b.t()) and c, with the interpreter's tile shape:
-    on a GPU each config's pre-hook (set_tma_blocks) resets it before launching."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    meta = INTERPRETER_CONFIG.kwargs
-    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
-    b_desc = (
-        TensorDescriptor.from_tensor(b.t(), [bn, bk])
-        if b_is_w
-        else TensorDescriptor.from_tensor(b, [bk, bn])
-    )
-    return (
-        TensorDescriptor.from_tensor(a, [bm, bk]),
-        b_desc,
-        TensorDescriptor.from_tensor(c, [bm, bn]),
-    )
+def _checked(a, b, bias, activation, kernel):
+    check_matmul_inputs(a, b, bias, activation)
+    if _needs_grad(a, b, bias):
+        return MatmulFunction.apply(a, b, bias, activation, kernel)
+    return _matmul(a, b, bias, activation, kernel)
 
 
-# Triton specializes an integer argument divisible by 16 and vectorizes loads along rows whose
-# strides it knows are; with odd K or N (8205 x 5921 x 2949, say) every load is one element
-# and the kernel ran at 0.57x cuBLAS on an H200. Copying the operands into zero-padded,
-# aligned tensors costs one pass over them (about 2% there) and made it 3.3x cuBLAS.
-PAD_MULTIPLE = 64
-PAD_MIN_WORK = 1 << 30  # M*N*K below this: the copies would cost more than they save
+def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu"
+    (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype. On Hopper,
+    large fp16/bf16 problems go through the TMA kernel, the rest through pointers (plan()).
+    Differentiable in a, b and bias (the backward's matmuls run on these kernels too)."""
+    return _checked(a, b, bias, activation, kernel=None)
 
 
-def _aligned(a, b) -> bool:
-    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.shape[1])
-    return all(s % 16 == 0 or s == 1 for s in strides)
+def matmul_tma(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """matmul through the TMA kernel, whatever the size: a and b row-major with 16-byte
+    aligned rows, or b = W.t() for a row-major W (N, K). Hopper and later, or the interpreter."""
+    return _checked(a, b, bias, activation, kernel="tma")
 
 
-def pad_operands(a, b, bias=None, multiple: int = PAD_MULTIPLE):
-    """Contiguous copies of a (M, K), b (K, N) and bias (N,) with K and N rounded up to a
-    multiple of `multiple`, zeros in the padding: a_p @ b_p + bias_p holds a @ b + bias in its
-    first N columns (padded K terms are 0 * 0)."""
-    (m, k), n = a.shape, b.shape[1]
-    kp, np_ = (triton.cdiv(d, multiple) * multiple for d in (k, n))
-    a_p = a.new_zeros((m, kp))
-    a_p[:, :k] = a
-    b_p = b.new_zeros((kp, np_))
-    b_p[:k, :n] = b
-    if bias is not None:
-        bias_p = bias.new_zeros(np_)
-        bias_p[:n] = bias
-        bias = bias_p
-    return a_p, b_p, bias
+def matmul_pointers(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """matmul through the pointer kernel (matmul_kernel), whatever the size."""
+    return _checked(a, b, bias, activation, kernel="pointers")
 
 
 def _epilogue_ref(acc, bias, activation):

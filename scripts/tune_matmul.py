@@ -4,15 +4,19 @@ on the benchmark's shapes, against torch.matmul (cuBLAS) on the same inputs.
     python scripts/tune_matmul.py                   # bf16 and fp16, all candidates
     python scripts/tune_matmul.py --dtypes bf16 --tma
     python scripts/tune_matmul.py --paths           # pointer against TMA kernel, host costs
+    python scripts/tune_matmul.py --tiny            # the same sweep at sizes <= 128, any device
 
 Prints, per shape, each config's TFLOP/s and its ratio to torch.matmul (best marked *), the
 autotuned kernels.matmul on the same shapes, and a short list of configs that together stay
-close to the best on every shape: a candidate for kernels.matmul.CONFIGS. `--tma` also times a
-variant that loads tiles through tensor descriptors (TMA, Hopper and later), as an experiment.
+close to the best on every shape: a candidate for kernels.matmul_tuning.CONFIGS. `--tma` also
+times a variant that loads tiles through tensor descriptors (TMA, Hopper and later), as an
+experiment. `--tiny` runs the sweep (check, then time) on a few candidates at tiny sizes in fp16:
+on a CPU, through Triton's interpreter, whose timings mean nothing; it shows the script works.
 """
 
 import argparse
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -25,24 +29,27 @@ import triton.language as tl
 
 from kernels import bench, check
 from kernels.matmul import (
-    CONFIGS,
-    _launch,
-    _tiles,
-    check_matmul_inputs,
-    grouped_tile,
     matmul,
     matmul_kernel,
     matmul_kernel_autotuned,
+    matmul_pointers,
+    matmul_tma,
     matmul_tma_kernel,
+)
+from kernels.matmul_tuning import (
+    CONFIGS,
     pad_operands,
     set_tma_blocks,
     shared_memory_bytes,
     shared_memory_limit,
     tile_config,
+    tile_count,
     tma_descriptors,
     tma_problem,
 )
+from kernels.primitives import grouped_tile
 from kernels.runtime import DEVICE, ON_GPU
+from kernels.validate import check_matmul_inputs
 
 EXTRA_CANDIDATES = [
     tile_config(128, 256, 64, num_warps=8, num_stages=4),
@@ -62,6 +69,12 @@ SQUARES = (1024, 2048, 4096, 8192)
 LLM = ((4096, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336))  # x @ W.t(), (M, N, K)
 IRREGULAR = (8205, 5921, 2949)
 DECODE = tuple((m, 4096, 4096) for m in (1, 16, 64))  # a few tokens through a 4096 layer
+# --tiny: the same kinds of shape at sizes the interpreter runs in seconds, in fp16 (the
+# interpreter gets bf16 wrong), on the first few candidates.
+TINY_SQUARES = (48, 128)
+TINY_LAYERS = ((64, 96, 64), (1, 64, 128))  # x @ W.t() and a decode step
+TINY_IRREGULAR = (65, 47, 33)
+TINY_CANDIDATES = 3
 
 
 def label(config) -> str:
@@ -76,8 +89,7 @@ def launch(config, a, b):
     (m, k), n = a.shape, b.shape[1]
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     meta = config.kwargs
-    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-    matmul_kernel[grid](
+    matmul_kernel[(tile_count(m, n, meta),)](
         a, b, c, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
         HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **meta,
@@ -95,7 +107,7 @@ def launch_tma(config, a, b):
     set_tma_blocks(
         {"a_desc": descs[0], "b_desc": descs[1], "c_desc": descs[2], "B_IS_W": b_is_w, **meta}
     )
-    matmul_tma_kernel[(triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](
+    matmul_tma_kernel[(tile_count(m, n, meta),)](
         *descs, c, m, n, k, HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="tf32",
         B_IS_W=b_is_w, num_warps=config.num_warps, num_stages=config.num_stages, **meta,
     )  # fmt: skip
@@ -132,8 +144,7 @@ def launch_wt(config, a, b):
     (m, k), n = a.shape, w.shape[0]
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     meta = config.kwargs
-    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-    wt_matmul_kernel[grid](
+    wt_matmul_kernel[(tile_count(m, n, meta),)](
         a, w, c, m, n, k, *a.stride(), *w.stride(), *c.stride(),
         num_warps=config.num_warps, num_stages=config.num_stages, **meta,
     )  # fmt: skip
@@ -153,9 +164,8 @@ def experiments():
     for m, n, k in LLM:
         a, b = operands(torch.bfloat16, m, n, k, True)
         torch_ms = bench.time_ms(torch.matmul, a, b)
-        print(
-            f"\nbf16 {m}x{n}x{k} Wt: torch {bench.achieved_tflops(2 * m * n * k, torch_ms):.0f} TFLOP/s"
-        )
+        torch_tflops = bench.achieved_tflops(2 * m * n * k, torch_ms)
+        print(f"\nbf16 {m}x{n}x{k} Wt: torch {torch_tflops:.0f} TFLOP/s")
         for kind, fn in (("ptr", launch), ("W tiles", launch_wt), ("TMA W", launch_tma)):
             results = [
                 (label(c), *measure(functools.partial(fn, c), a, b, torch_ms)) for c in configs
@@ -163,9 +173,8 @@ def experiments():
             ok = [r for r in results if r[1] is not None]
             best = max(ok, key=lambda r: r[2]) if ok else results[0]
             print(f"  {kind:8} best {best[0]:24} {best[1]} TFLOP/s {best[2]}")
-        print(
-            f"  b made contiguous first: {measure(lambda a, b: matmul(a, b.contiguous()), a, b, torch_ms)}"
-        )
+        contiguous_first = lambda a, b: matmul(a, b.contiguous())
+        print(f"  b made contiguous first: {measure(contiguous_first, a, b, torch_ms)}")
     m, n, k = IRREGULAR
     a, b = operands(torch.bfloat16, m, n, k, False)
     torch_ms = bench.time_ms(torch.matmul, a, b)
@@ -182,49 +191,50 @@ def paths():
         a, b = operands(bench.DTYPE_NAMES[dtype_name], m, n, k, transposed_b)
         torch_ms = bench.time_ms(torch.matmul, a, b)
         print(f"\n{shape_name}: torch {bench.achieved_tflops(2 * m * n * k, torch_ms):.0f} TFLOP/s")
-        print(
-            f"  pointer  {fmt(measure(lambda a, b: _launch(a, b, None, None, tma=False), a, b, torch_ms))}"
-        )
+        print(f"  pointer  {fmt(measure(matmul_pointers, a, b, torch_ms))}")
         if not tma_problem(a, b):
-            print(
-                f"  TMA      {fmt(measure(lambda a, b: _launch(a, b, None, None, tma=True), a, b, torch_ms))}"
-            )
+            print(f"  TMA      {fmt(measure(matmul_tma, a, b, torch_ms))}")
         print(f"  matmul   {fmt(measure(matmul, a, b, torch_ms))}")
         del a, b
     tf32_layouts()
     print("\nWhere a small matmul's time goes (us; 'graph' = replayed from a CUDA graph):")
     for m, n, k in ((1024, 1024, 1024), (2048, 2048, 2048), (16, 4096, 4096)):
-        a, b = operands(torch.bfloat16, m, n, k, False)
-        c = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        matmul(a, b)  # tuned
-        args = (a, b, c, c, m, n, k, *a.stride(), *b.stride(), *c.stride())
-        flags = {"HAS_BIAS": False, "ACTIVATION": "none", "INPUT_PRECISION": "tf32"}
-        grid = lambda meta: (_tiles(m, n, meta),)
-        timings = {
-            "torch.matmul": bench.time_ms(torch.matmul, a, b),
-            "torch.matmul graph": bench.graph_ms(lambda: torch.matmul(a, b)),
-            "kernels.matmul": bench.time_ms(matmul, a, b),
-            "kernels.matmul graph": bench.graph_ms(lambda: matmul(a, b)),
-        }
-        host = {
-            "host: torch.matmul": bench.cpu_us_per_call(lambda: torch.matmul(a, b)),
-            "host: kernels.matmul": bench.cpu_us_per_call(lambda: matmul(a, b)),
-            "host: validation": bench.cpu_us_per_call(lambda: check_matmul_inputs(a, b)),
-            "host: autotuned launch": bench.cpu_us_per_call(
-                lambda: matmul_kernel_autotuned[grid](*args, **flags)
-            ),
-        }
-        best = matmul_kernel_autotuned.best_config
-        fixed = best.all_kwargs()
-        host["host: fixed-config launch"] = bench.cpu_us_per_call(
-            lambda: matmul_kernel[grid(fixed)](*args, **flags, **fixed)
-        )
-        print(
-            f"  {m}x{n}x{k} ({label(best)}): "
-            + ", ".join(f"{k_} {v * 1e3:.1f}" for k_, v in timings.items())
-            + "; "
-            + ", ".join(f"{k_} {v:.1f}" for k_, v in host.items())
-        )
+        print(time_per_call(m, n, k))
+
+
+def time_per_call(m, n, k) -> str:
+    """GPU and host microseconds of one bf16 m x n x k matmul, by layer of the call."""
+    a, b = operands(torch.bfloat16, m, n, k, False)
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    matmul(a, b)  # tuned
+    args = (a, b, c, c, m, n, k, *a.stride(), *b.stride(), *c.stride())
+    flags = {"HAS_BIAS": False, "ACTIVATION": "none", "INPUT_PRECISION": "tf32"}
+    grid = lambda meta: (tile_count(m, n, meta),)
+    timings = {
+        "torch.matmul": bench.time_ms(torch.matmul, a, b),
+        "torch.matmul graph": bench.graph_ms(lambda: torch.matmul(a, b)),
+        "kernels.matmul": bench.time_ms(matmul, a, b),
+        "kernels.matmul graph": bench.graph_ms(lambda: matmul(a, b)),
+    }
+    host = {
+        "host: torch.matmul": bench.cpu_us_per_call(lambda: torch.matmul(a, b)),
+        "host: kernels.matmul": bench.cpu_us_per_call(lambda: matmul(a, b)),
+        "host: validation": bench.cpu_us_per_call(lambda: check_matmul_inputs(a, b)),
+        "host: autotuned launch": bench.cpu_us_per_call(
+            lambda: matmul_kernel_autotuned[grid](*args, **flags)
+        ),
+    }
+    best = matmul_kernel_autotuned.best_config
+    fixed = best.all_kwargs()
+    host["host: fixed-config launch"] = bench.cpu_us_per_call(
+        lambda: matmul_kernel[grid(fixed)](*args, **flags, **fixed)
+    )
+    return (
+        f"  {m}x{n}x{k} ({label(best)}): "
+        + ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in timings.items())
+        + "; "
+        + ", ".join(f"{name} {us:.1f}" for name, us in host.items())
+    )
 
 
 def tf32_layouts():
@@ -236,17 +246,16 @@ def tf32_layouts():
             a, b = operands(torch.float32, 4096, 4096, 4096, transposed_b)
             torch_ms = bench.time_ms(torch.matmul, a, b)
             layout = "b = W.t() (K-major)" if transposed_b else "b row-major (N-major)"
-            print(
-                f"\nfp32 TF32 4096^3, {layout}: torch {bench.achieved_tflops(2 * 4096**3, torch_ms):.0f} TFLOP/s"
-            )
+            tflops = lambda ms: bench.achieved_tflops(2 * 4096**3, ms)
+            print(f"\nfp32 TF32 4096^3, {layout}: torch {tflops(torch_ms):.0f} TFLOP/s")
             exact = a.double() @ b.double()
             print(f"  torch error {check.relative_error(a @ b, exact):.2e}")
-            for tma in (False, True):  # timed whatever the error: the error is reported
-                fn = lambda a, b, tma=tma: _launch(a, b, None, None, tma=tma)
+            for tma, fn in ((False, matmul_pointers), (True, matmul_tma)):
+                # timed whatever the error: the error is reported
                 error = check.relative_error(fn(a, b), exact)
                 ms = bench.time_ms(fn, a, b)
                 print(
-                    f"  {'TMA' if tma else 'pointer':8} {bench.achieved_tflops(2 * 4096**3, ms):6.0f} TFLOP/s"
+                    f"  {'TMA' if tma else 'pointer':8} {tflops(ms):6.0f} TFLOP/s"
                     f"  {torch_ms / ms:5.2f}x torch, error {error:.2e}"
                 )
     finally:
@@ -273,14 +282,18 @@ def measure(fn, a, b, torch_ms):
     return bench.achieved_tflops(flops, ms), torch_ms / ms
 
 
-def shapes(dtypes, squares=SQUARES, llm=True):
+def shapes(
+    dtypes, squares=SQUARES, llm=True, layers=LLM + DECODE, irregular=IRREGULAR, layer_dtype="bf16"
+):
+    """(name, dtype name, (m, n, k), b is W.t()): squares in every dtype, then the layer
+    shapes and one irregular shape in `layer_dtype`, if it is among `dtypes`."""
     for name in dtypes:
         for n in squares:
             yield f"{name} {n}^3", name, (n, n, n), False
-    if "bf16" in dtypes and llm:
-        for m, n, k in LLM + DECODE:
-            yield f"bf16 {m}x{n}x{k} Wt", "bf16", (m, n, k), True
-        yield "bf16 {}x{}x{}".format(*IRREGULAR), "bf16", IRREGULAR, False
+    if layer_dtype in dtypes and llm:
+        for m, n, k in layers:
+            yield f"{layer_dtype} {m}x{n}x{k} Wt", layer_dtype, (m, n, k), True
+        yield f"{layer_dtype} " + "x".join(map(str, irregular)), layer_dtype, irregular, False
 
 
 def operands(dtype, m, n, k, transposed_b):
@@ -313,11 +326,15 @@ def main(argv=None) -> int:
     parser.add_argument("--experiments", action="store_true", help="layout experiments only")
     parser.add_argument("--paths", action="store_true", help="pointer against TMA, host costs")
     parser.add_argument("--tf32", action="store_true", help="TF32 by layout and kernel only")
+    parser.add_argument("--tiny", action="store_true", help="the sweep at sizes <= 128, fp16")
     args = parser.parse_args(argv)
-    if not ON_GPU:
-        print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing)")
+    if args.tiny and (args.experiments or args.paths or args.tf32):
+        parser.error("--tiny runs the config sweep only")
+    if not (ON_GPU or args.tiny):
+        print("tune_matmul needs a CUDA GPU (the interpreter's timings mean nothing); try --tiny")
         return 1
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    device = torch.cuda.get_device_name() if ON_GPU else "CPU, Triton's interpreter"
+    print(f"{device}, torch {torch.__version__}, triton {triton.__version__}")
     if args.experiments:
         experiments()
         return 0
@@ -327,15 +344,18 @@ def main(argv=None) -> int:
     if args.tf32:
         tf32_layouts()
         return 0
-    limit = shared_memory_limit(DEVICE.index or 0)
+    limit = shared_memory_limit(DEVICE.index or 0) if ON_GPU else math.inf
     candidates = [c for c in CONFIGS + EXTRA_CANDIDATES if shared_memory_bytes(c, 2) <= limit]
+    sweep = shapes(args.dtypes, args.squares, not args.no_llm)
+    if args.tiny:
+        candidates = candidates[:TINY_CANDIDATES]
+        sweep = shapes(["fp16"], TINY_SQUARES, True, TINY_LAYERS, TINY_IRREGULAR, "fp16")
     variants = [(label(c), c, launch) for c in candidates]
     if args.tma:
         variants += [("TMA " + label(c), c, launch_tma) for c in candidates]
     ratios = {name: {} for name, _, _ in variants}
-    for shape_name, dtype_name, (m, n, k), transposed_b in shapes(
-        args.dtypes, args.squares, not args.no_llm
-    ):
+    wrong = []
+    for shape_name, dtype_name, (m, n, k), transposed_b in sweep:
         a, b = operands(bench.DTYPE_NAMES[dtype_name], m, n, k, transposed_b)
         torch_ms = bench.time_ms(torch.matmul, a, b)
         flops = 2 * m * n * k
@@ -351,6 +371,8 @@ def main(argv=None) -> int:
         for name, tflops, ratio in rows:
             if tflops is None:
                 print(f"  {name:34} {ratio}")
+                if ratio.startswith("WRONG"):
+                    wrong.append(f"{shape_name}, {name}")
             else:
                 mark = "*" if ratio == best else " "
                 print(f"  {name:34} {tflops:7.0f} TFLOP/s  {ratio:5.2f}x torch {mark}")
@@ -360,7 +382,9 @@ def main(argv=None) -> int:
         print("\nA short list that stays near the best on every shape (for CONFIGS):")
         for name in pick_configs(ratios):
             print(f"  {name}")
-    return 0
+    if wrong:
+        print("\nWrong results (a kernel bug, not a slow config):\n  " + "\n  ".join(wrong))
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 from params import DTYPES
@@ -178,3 +180,44 @@ def test_offsets_past_2_to_the_31():
     out = rms_norm(x, w)
     tail = slice(rows - 3, rows)
     check.assert_close(out[tail], rms_norm_ref(x[tail].double(), w.double()), op="reduction")
+
+
+def _attached_metadata(kernel):
+    # a compiled kernel keeps the function as .launch_metadata, the interpreter among its kwargs
+    return getattr(kernel, "launch_metadata", None) or kernel.kwargs["launch_metadata"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_launch_metadata_names_shape_flops_and_bytes(dtype):
+    rows, cols, programs = 300, 70, 8
+    x = torch.empty(rows, cols, dtype=dtype)
+    es = x.element_size()
+    forward = {"x_ptr": x, "n_cols": cols}
+    partials = torch.empty(programs, cols)
+    backward = {"dy_ptr": x, "x_ptr": x, "n_rows": rows, "n_cols": cols, "dw_part_ptr": partials}
+    cases = {  # kernel: (grid, arguments, FLOPs per element, bytes)
+        "rms_norm_fwd_kernel": ((rows,), forward, 4, es * (2 * rows * cols + cols) + 4 * rows),
+        "layer_norm_fwd_kernel": (
+            (rows,),
+            {**forward, "b_ptr": x},
+            7,
+            es * (2 * rows * cols + 2 * cols) + 8 * rows,
+        ),
+        "norm_bwd_kernel": (
+            (programs,),
+            {**backward, "db_part_ptr": partials},
+            9,
+            es * (3 * rows * cols + cols) + 4 * (rows + programs * cols),
+        ),
+    }
+    for name, (grid, args, per_element, moved) in cases.items():
+        compiled = types.SimpleNamespace(name=name)
+        info = _attached_metadata(getattr(norm_module, name))(grid, compiled, args)
+        assert info["name"] == f"{name} [rows=300, cols=70]"
+        assert info["flops"] == per_element * rows * cols
+        assert info["bytes"] == moved, name
+    layer_norm = _attached_metadata(norm_module.norm_bwd_kernel)(
+        (programs,), compiled, {**backward, "db_part_ptr": partials.clone()}
+    )
+    assert layer_norm["flops"] == 13 * rows * cols  # and mean, db partials: twice the fp32
+    assert layer_norm["bytes"] == es * (3 * rows * cols + cols) + 8 * (rows + programs * cols)
