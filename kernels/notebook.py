@@ -56,7 +56,8 @@ def banner(chapter: str | None = None) -> None:
         print(f"GPU figures: measured now on this GPU (and recorded into {data})")
     else:
         data = f"kernels/data/{bench.RECORDED_GPU}/{chapter}.json"
-        print(f"GPU figures: no GPU here, so from {data}: {bench.describe(_recorded_meta(chapter))}")
+        run = bench.describe(_recorded_meta(chapter))
+        print(f"GPU figures: no GPU here, so the run recorded in {data}: {run}")
 
 
 def origin(chapter: str, key: str, live: bool = False) -> str:
