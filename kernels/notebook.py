@@ -17,8 +17,10 @@ import re
 import sys
 from pathlib import Path
 
-from kernels import bench
 from kernels.runtime import ON_GPU, versions
+
+# kernels.bench (and through it pyplot) is imported only where a chapter needs it: a lab's first
+# cell calls banner() in every process the grader starts, and should not pay for plotting.
 
 METADATA_KEY = "recorded"
 
@@ -35,6 +37,8 @@ def figure_style() -> None:
 
 
 def _recorded_meta(chapter: str) -> dict:
+    from kernels import bench
+
     path = bench.DATA_DIR / bench.RECORDED_GPU / f"{chapter}.json"
     if not path.exists():
         raise FileNotFoundError(f"no results recorded on {bench.RECORDED_GPU} for {chapter}")
@@ -43,14 +47,17 @@ def _recorded_meta(chapter: str) -> dict:
 
 def banner(chapter: str | None = None) -> None:
     """Print where this notebook runs and, for a chapter, where its GPU figures come from:
-    measured now on this GPU, or read from the results recorded on the course's GPU."""
-    figure_style()
+    measured now on this GPU, or read from the results recorded on the course's GPU. A
+    chapter's figures also get the course's style (a lab draws none)."""
     info = versions()
     mode = "compiles for the GPU" if ON_GPU else "runs in its interpreter (correct, not fast)"
     where = f"device: {info['device']}; Triton {mode}"
     print(f"{where}; torch {info['torch']}, triton {info['triton']}")
     if chapter is None:
         return
+    from kernels import bench
+
+    figure_style()
     if ON_GPU:
         data = f"kernels/data/{bench.gpu_slug(info['device'])}/{chapter}.json"
         print(f"GPU figures: measured now on this GPU (and recorded into {data})")
@@ -63,6 +70,8 @@ def banner(chapter: str | None = None) -> None:
 def origin(chapter: str, key: str, live: bool = False) -> str:
     """The run a GPU result comes from: this GPU today, or the recorded run (bench.describe).
     `live=True` adds, on a CPU, that this CPU's own curves beside it are measured now."""
+    from kernels import bench
+
     if ON_GPU:
         return bench.describe({**versions(), "date": datetime.date.today().isoformat()})
     _, meta = bench.recorded(chapter, key)
