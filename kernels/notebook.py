@@ -1,4 +1,8 @@
-"""The notebook runner: execute a notebook top to bottom and record where it ran.
+"""Notebooks: the line every chapter and lab prints first, and the runner that records them.
+
+`banner(chapter)` ends each notebook's first cell: the device, whether Triton compiles or
+interprets, the versions, and where the chapter's GPU figures come from on this machine;
+`origin(chapter, key)` names the run behind one GPU result.
 
 A chapter keeps the outputs of one recorded run. The runner writes into the notebook's
 metadata the device (GPU name or "cpu"), the torch and triton versions, the date and a hash
@@ -8,15 +12,70 @@ recorded.
 
 import datetime
 import hashlib
+import json
 import re
 import sys
 from pathlib import Path
 
-import nbformat
+from kernels.runtime import ON_GPU, versions
 
-from kernels.runtime import versions
+# kernels.bench (and through it pyplot) is imported only where a chapter needs it: a lab's first
+# cell calls banner() in every process the grader starts, and should not pay for plotting.
 
 METADATA_KEY = "recorded"
+
+
+# Small figures: a chapter keeps many plots, and the notebook stays under about 2 MB.
+FIGURE_STYLE = {"figure.dpi": 80, "figure.figsize": (6, 4), "font.size": 9}
+
+
+def figure_style() -> None:
+    """The course's matplotlib settings, set once for the whole notebook."""
+    import matplotlib
+
+    matplotlib.rcParams.update(FIGURE_STYLE)
+
+
+def _recorded_meta(chapter: str) -> dict:
+    from kernels import bench
+
+    path = bench.DATA_DIR / bench.RECORDED_GPU / f"{chapter}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no results recorded on {bench.RECORDED_GPU} for {chapter}")
+    return json.loads(path.read_text())["meta"]
+
+
+def banner(chapter: str | None = None) -> None:
+    """Print where this notebook runs and, for a chapter, where its GPU figures come from:
+    measured now on this GPU, or read from the results recorded on the course's GPU. A
+    chapter's figures also get the course's style (a lab draws none)."""
+    info = versions()
+    mode = "compiles for the GPU" if ON_GPU else "runs in its interpreter (correct, not fast)"
+    where = f"device: {info['device']}; Triton {mode}"
+    print(f"{where}; torch {info['torch']}, triton {info['triton']}")
+    if chapter is None:
+        return
+    from kernels import bench
+
+    figure_style()
+    if ON_GPU:
+        data = f"kernels/data/{bench.gpu_slug(info['device'])}/{chapter}.json"
+        print(f"GPU figures: measured now on this GPU (and recorded into {data})")
+    else:
+        data = f"kernels/data/{bench.RECORDED_GPU}/{chapter}.json"
+        run = bench.describe(_recorded_meta(chapter))
+        print(f"GPU figures: no GPU here, so the run recorded in {data}: {run}")
+
+
+def origin(chapter: str, key: str, live: bool = False) -> str:
+    """The run a GPU result comes from: this GPU today, or the recorded run (bench.describe).
+    `live=True` adds, on a CPU, that this CPU's own curves beside it are measured now."""
+    from kernels import bench
+
+    if ON_GPU:
+        return bench.describe({**versions(), "date": datetime.date.today().isoformat()})
+    _, meta = bench.recorded(chapter, key)
+    return bench.describe(meta) + ("; this CPU: live" if live else "")
 
 
 def code_hash(nb) -> str:
@@ -32,6 +91,7 @@ def code_hash(nb) -> str:
 def record(path, timeout: int = 1800, kernel_name: str = "python3") -> dict:
     """Execute the notebook at `path` in place (in its own folder) and store its outputs and
     the record of the run. Raises nbclient's CellExecutionError if a cell fails."""
+    import nbformat
     from nbclient import NotebookClient
 
     path = Path(path)
@@ -73,6 +133,8 @@ def strip_install_paths(nb) -> None:
 def check_recorded(path) -> str | None:
     """None when the notebook's outputs come from a recorded run of its current code;
     otherwise what is wrong, in one line."""
+    import nbformat
+
     nb = nbformat.read(Path(path), as_version=4)
     meta = nb.metadata.get(METADATA_KEY)
     if not meta:

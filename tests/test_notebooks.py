@@ -5,13 +5,18 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kernels import notebook
+from kernels import bench, notebook
+from kernels.runtime import ON_GPU
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = sorted((ROOT / "chapters").glob("*.ipynb")) + sorted(
     (ROOT / "solutions").glob("*.ipynb")
 )
 MAX_BYTES = 2 * 1024 * 1024
+# `import kernels` fixes the mode before triton is imported; `# isort: split` keeps ruff from
+# sorting it below `import triton`.
+PREAMBLE_START = "import kernels  # first: "
+ISORT_SPLIT = "# isort: split"
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -23,6 +28,42 @@ def test_outputs_were_recorded_from_the_current_code(path):
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_notebook_stays_small(path):
     assert path.stat().st_size < MAX_BYTES, f"{path.name} is {path.stat().st_size / 1e6:.1f} MB"
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_notebook_starts_with_the_preamble(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    lines = code[0].splitlines()
+    assert lines[0].startswith(PREAMBLE_START), f"first code line: {lines[0]!r}"
+    assert ISORT_SPLIT in lines[1:3], "`# isort: split` must follow `import kernels`"
+    chapter = path.parent.name == "chapters"
+    expected = "banner(CHAPTER)" if chapter else "banner()"
+    assert lines[-1] == expected, f"the first cell must end with {expected}, not {lines[-1]!r}"
+    if chapter:
+        assert f'CHAPTER = "{path.stem}"' in code[0], f"CHAPTER must be {path.stem!r}"
+    for source in code:  # the banner sets the figure style, once for every notebook
+        assert "rcParams" not in source, "figure settings belong in kernels.notebook.figure_style"
+        assert "print(versions())" not in source
+
+
+def test_banner_says_where_gpu_figures_come_from(capsys):
+    notebook.banner("03_matmul")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("device: ") and "triton" in out[0]
+    assert len(out) == 2 and out[1].startswith("GPU figures: ")
+    assert "03_matmul.json" in out[1]
+    notebook.banner()
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_origin_names_the_run_behind_a_result():
+    text = notebook.origin("03_matmul", "ceilings")
+    if not ON_GPU:
+        _, meta = bench.recorded("03_matmul", "ceilings")
+        assert text == bench.describe(meta)
+        assert notebook.origin("03_matmul", "ceilings", live=True) == text + "; this CPU: live"
+    assert "torch" in text and "triton" in text
 
 
 def _tiny_notebook(tmp_path, source):
