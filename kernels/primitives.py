@@ -63,12 +63,12 @@ def head_index(H):
 @triton.jit
 def head_tile(X, stride_b, stride_h, stride_s, stride_d, rows, offs_d):
     """Pointers to `rows` x `offs_d` of this program's (batch, head) slice of a strided
-    (B, H, S, D) tensor: a 64-bit offset to the slice, then 32-bit offsets inside it (the
-    launchers' `with_32bit_head_offsets` makes sure they fit)."""
+    (B, H, S, D) tensor: a 64-bit offset to the slice, then one tile of 32-bit offsets inside it
+    (the launchers' `with_32bit_head_offsets` makes sure they fit), added to it at once."""
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
     head = X + off_b * stride_b + off_h * stride_h
-    return head + rows[:, None] * stride_s + offs_d[None, :] * stride_d
+    return head + (rows[:, None] * stride_s + offs_d[None, :] * stride_d)
 
 
 @triton.jit
