@@ -39,6 +39,8 @@ def _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, 
                 CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     # Keys [start, end), BLOCK_N at a time. MASKED=False is the hot loop: whole blocks that every
     # row sees, so no masks at all; MASKED=True covers the ragged end and the causal diagonal.
+    # Offsets come from the loop index, not from pointers carried through the loop: carried
+    # (BLOCK_N, HEAD_DIM) pointer tiles cost registers, which made the compiled kernel spill.
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n

@@ -8,7 +8,9 @@ log-sum-exp. Three kernels: delta (one pass over O and dO); dK and dV (a program
 looping over the query blocks that see it); dQ (a program per query block, looping over its key
 blocks). Every output block has one owner, so there are no atomic adds and every run gives the
 same bits; the price is computing S and dP twice, 7 matmuls where the formulas need 5. The rate
-is counted, as usual, as 2.5x the forward's FLOPs.
+is counted, as usual, as 2.5x the forward's FLOPs. Configurations and launch plumbing are in
+`kernels.attention_tuning`; the loads, masks and key ranges the dQ kernel shares with the forward
+in `kernels.primitives`.
 """
 
 import torch

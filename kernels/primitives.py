@@ -105,10 +105,9 @@ def key_ranges(m0, seq_k, diagonal, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 
 @triton.jit
 def kv_block(ptrs, start_n, stride_n, cols, seq_k, MASKED: tl.constexpr):
-    """Keys (or values) `cols` = start_n + arange(BLOCK_N) from a (BLOCK_N, D) pointer tile at
-    key 0. The hot loop (MASKED=False) reads whole blocks with no mask; past seq_k loads 0.
-    Offsets come from the loop index, not from pointers carried through the loop: carried
-    (BLOCK_N, HEAD_DIM) pointer tiles cost registers, which made the compiled kernel spill."""
+    """Keys (or values) `cols` = start_n + arange(BLOCK_N), from a (BLOCK_N, D) pointer tile at
+    key 0 moved by the loop index. The hot loop (MASKED=False) reads whole blocks with no mask;
+    a masked block loads 0 past seq_k."""
     if MASKED:
         block = tl.load(ptrs + start_n * stride_n, mask=cols[:, None] < seq_k, other=0.0)
     else:
