@@ -6,7 +6,9 @@ a running max, a running sum and a rescaled fp32 accumulator (the online softmax
 queries once and K, V once per query block, and writes O plus one log-sum-exp per row: O(S) memory
 where the naive version stores B*H*Sq*Sk scores. FLOPs: 4*B*H*Sq*Sk*D (two matmuls), about half
 with the causal mask, whose fully masked blocks are never visited. The backward pass
-(`kernels.attention_backward`) recomputes the probabilities from the saved log-sum-exp.
+(`kernels.attention_backward`) recomputes the probabilities from the saved log-sum-exp. The
+configurations and launch plumbing are in `kernels.attention_tuning`; the kernel code forward and
+backward share (addressing, causal rule, key ranges) in `kernels.primitives`.
 """
 
 import math
@@ -15,27 +17,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import ON_GPU
+from kernels.attention_backward import attention_backward
+from kernels.attention_tuning import (
+    CPU_CONFIG,
+    HEAD_DIMS,
+    autotuned,
+    choose_config,
+    forward_candidates,
+    launch,
+    length_buckets,
+    profiler_metadata,
+    with_32bit_head_offsets,
+)
+from kernels.primitives import LOG2E, head_index, head_tile, key_mask, key_ranges, kv_block
 from kernels.validate import check_same, check_tensor, input_precision
-
-HEAD_DIMS = (16, 32, 64, 128)
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter runs programs one after another in
-# Python: on a CPU small blocks keep the tests fast and still cross many block boundaries.
-CPU_CONFIG = (32, 16, 4, 1)
-
-
-def forward_candidates(dtype, head_dim: int, seq_q: int) -> list:
-    """The configurations the GPU autotuner times for these inputs. Compiled for the H200 with
-    triton 3.6, none of the 16-bit ones spills registers."""
-    if dtype == torch.float32:  # IEEE fp32 dots run on FMA units and need small tiles
-        return [(32, 16, 4, 2)]
-    if seq_q <= 64:  # decoding: a few query rows against a long KV cache
-        return [(64, 64, 4, 3), (64, 32, 4, 4)]
-    if head_dim <= 64:
-        return [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
-    return [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (128, 128, 8, 2)]
 
 
 @triton.jit
@@ -49,32 +44,27 @@ def _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, 
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < seq_k, other=0.0)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn)
+        k = kv_block(k_ptrs, start_n, stride_kn, cols, seq_k, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        if MASKED:
-            keep = cols[None, :] < seq_k
-            if CAUSAL:  # query i sees key j when j <= i + (Sk - Sq)
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diagonal)
-            s = tl.where(keep, s, float("-inf"))
+        if MASKED:  # keys past the end, and with CAUSAL those after each row's diagonal
+            s = tl.where(key_mask(offs_m, cols, seq_k, diagonal, CAUSAL), s, float("-inf"))
         # The online softmax, in base 2: m_i is the running max of s * scale * log2(e) and l_i
         # the running sum of exp2(. - m_i); when the max grows, l_i and acc are rescaled.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < seq_k, other=0.0)
-        else:
-            v = tl.load(v_ptrs + start_n * stride_vn)
+        v = kv_block(v_ptrs, start_n, stride_vn, cols, seq_k, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit
+# A profiler names each launch by its shape; FLOPs: two matmuls, 4*D per visible score.
+forward_metadata = profiler_metadata(flops_per_score=4, tensors=("Q", "K", "V", "O", "LSE"))
+
+
+@triton.jit(launch_metadata=forward_metadata)
 def attention_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -88,9 +78,6 @@ def attention_fwd_kernel(
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows start first, so that they do not finish last
         pid_m = tl.num_programs(0) - 1 - pid_m
-    # 64-bit (batch, head) offsets: B*H*S*D may pass 2**31; inside one head 32 bits suffice
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -98,28 +85,15 @@ def attention_fwd_kernel(
     rows_in = offs_m < SEQ_Q
     diagonal = SEQ_K - SEQ_Q  # the causal mask is aligned to the end: the last query sees all keys
 
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh
-    q = tl.load(
-        q_ptrs + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=rows_in[:, None],
-        other=0.0,
-    )  # (BLOCK_M, HEAD_DIM), read once
-    k_ptrs = K + off_b * stride_kb + off_h * stride_kh
-    k_ptrs += offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_h * stride_vh
-    v_ptrs += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    q_ptrs = head_tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d)
+    q = tl.load(q_ptrs, mask=rows_in[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM), read once
+    k_ptrs = head_tile(K, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
+    v_ptrs = head_tile(V, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Keys [0, full) are seen by every row of this block; [full, end) need masks. With the causal
-    # mask, keys after the block's last row are never loaded: about half the work.
-    if CAUSAL:
-        end = tl.minimum(m0 + BLOCK_M + diagonal, SEQ_K)
-        full = tl.minimum(m0 + diagonal + 1, SEQ_K) // BLOCK_N * BLOCK_N
-    else:
-        end = SEQ_K
-        full = SEQ_K // BLOCK_N * BLOCK_N
+    full, end = key_ranges(m0, SEQ_K, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m,
                                 0, full, SEQ_K, diagonal, qk_scale,
                                 BLOCK_N, False, CAUSAL, DOT_PRECISION)  # fmt: skip
@@ -129,86 +103,13 @@ def attention_fwd_kernel(
 
     # Every row sees key 0, so l_i >= 1: no division by zero, no fully masked row.
     acc = acc / l_i[:, None]
-    row0 = (off_b * H + off_h) * SEQ_Q + m0  # O and LSE are ours: contiguous
+    row0 = head_index(H) * SEQ_Q + m0  # O and LSE are ours: contiguous
     rows = tl.arange(0, BLOCK_M)
     o_ptrs = O + (row0 + rows[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=rows_in[:, None])
     # the natural-log LSE, max + log(sum), from the base-2 running values (times ln 2)
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     tl.store(LSE + row0 + rows, lse, mask=rows_in)
-
-
-def autotuned(kernel, candidates):
-    """`kernel` under triton.autotune: times `candidates(dtype, head_dim, seq_q)` once per
-    (power-of-two length buckets, head dim, causal, dtype), and keeps the timings on disk
-    for later processes. Used on a GPU only."""
-    every = {c for dt in (torch.float32, torch.float16) for d in HEAD_DIMS for sq in (1, 4096)
-             for c in candidates(dt, d, sq)}  # fmt: skip
-    configs = [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in sorted(every)
-    ]
-
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        wanted = candidates(args["Q"].dtype, args["HEAD_DIM"], args["SEQ_Q_BUCKET"])
-        return [c for c in configs if config_tuple(c) in wanted]
-
-    return triton.autotune(
-        configs=configs,
-        key=["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "CAUSAL"],
-        prune_configs_by={"early_config_prune": prune},
-        cache_results=True,
-    )(kernel)
-
-
-def config_tuple(config) -> tuple:
-    """A triton.Config as (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
-
-
-# Below this many scores (B*H*Sq*Sk) launch overhead dominates: timing configurations would
-# cost more than it saves, so a GPU runs the first candidate untimed.
-TUNE_MIN_SCORES = 2**24
-
-
-def choose_config(config, cpu_config, candidates, q, k):
-    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with, or None to autotune:
-    `config` if given, `cpu_config` in the interpreter, else by problem size on a GPU."""
-    if config is not None:
-        return config
-    if not ON_GPU:
-        return cpu_config
-    B, H, Sq, D = q.shape
-    if B * H * Sq * k.shape[2] >= TUNE_MIN_SCORES:
-        return None
-    return candidates(q.dtype, D, length_buckets(Sq, k.shape[2])[0])[0]
-
-
-def launch(kernel, tuned, args, meta, *, rows, block, config, B, H):
-    """Run `kernel` on a (cdiv(rows, block), H, B) grid, `block` ("BLOCK_M" or "BLOCK_N") being
-    the tile that splits `rows`, with `config`, or through the autotuned `tuned` if None."""
-    if config is None:
-        tuned[lambda conf: (triton.cdiv(rows, conf[block]), H, B)](*args, **meta)
-        return
-    bm, bn, warps, stages = config
-    grid = (triton.cdiv(rows, bm if block == "BLOCK_M" else bn), H, B)
-    kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-
-
-def with_32bit_head_offsets(t):
-    """`t`, or a contiguous copy where offsets inside one (batch, head) slice would need 64 bits
-    (a view of a (B, S, H, D) tensor with S*H*D >= 2**31, say): the copy needs only S*D."""
-    if t.shape[2] * t.stride(2) + t.shape[3] * t.stride(3) < 2**31:
-        return t
-    if t.shape[2] * t.shape[3] >= 2**31:
-        raise ValueError(f"one head of shape {tuple(t.shape)} has 2**31 elements or more")
-    return t.contiguous()
-
-
-def length_buckets(sq: int, sk: int) -> tuple:
-    """The autotuner's key for the sequence lengths: the next powers of two."""
-    return triton.next_power_of_2(max(sq, 1)), triton.next_power_of_2(max(sk, 1))
 
 
 _attention_fwd_tuned = autotuned(attention_fwd_kernel, forward_candidates)
@@ -225,7 +126,7 @@ def attention_forward(q, k, v, causal: bool, sm_scale: float, config=None):
     if o.numel() == 0:
         return o, lse
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, Sq, Sk,
-            sm_scale * LOG2E, *length_buckets(Sq, Sk))  # fmt: skip
+            sm_scale * LOG2E.value, *length_buckets(Sq, Sk))  # fmt: skip
     meta = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=input_precision(q.dtype))
     config = choose_config(config, CPU_CONFIG, forward_candidates, q, k)
     launch(attention_fwd_kernel, _attention_fwd_tuned, args, meta, rows=Sq, block="BLOCK_M",
@@ -244,8 +145,6 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        from kernels.attention_backward import attention_backward  # it imports this module
-
         q, k, v, o, lse = ctx.saved_tensors
         grads = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale, ctx.precision)
         return *grads, None, None

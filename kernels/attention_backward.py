@@ -8,49 +8,38 @@ log-sum-exp. Three kernels: delta (one pass over O and dO); dK and dV (a program
 looping over the query blocks that see it); dQ (a program per query block, looping over its key
 blocks). Every output block has one owner, so there are no atomic adds and every run gives the
 same bits; the price is computing S and dP twice, 7 matmuls where the formulas need 5. The rate
-is counted, as usual, as 2.5x the forward's FLOPs.
+is counted, as usual, as 2.5x the forward's FLOPs. Configurations and launch plumbing are in
+`kernels.attention_tuning`; the loads, masks and key ranges the dQ kernel shares with the forward
+in `kernels.primitives`.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import (
-    LOG2E,
+from kernels.attention_tuning import (
+    CPU_DKDV_CONFIG,
+    CPU_DQ_CONFIG,
     autotuned,
     choose_config,
+    dkdv_candidates,
+    dq_candidates,
     launch,
     length_buckets,
+    profiler_metadata,
     with_32bit_head_offsets,
 )
+from kernels.primitives import (
+    LOG2E,
+    causal_sees,
+    head_index,
+    head_tile,
+    key_mask,
+    key_ranges,
+    kv_block,
+)
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M query rows, BLOCK_N keys.
-CPU_DKDV_CONFIG = (16, 32, 4, 1)
-CPU_DQ_CONFIG = (32, 16, 4, 1)
-DELTA_BLOCK_M = 64
-
-
-def dkdv_candidates(dtype, head_dim: int, seq_q: int) -> list:
-    """Configurations the GPU autotuner times for the dK/dV kernel (BLOCK_N keys per program).
-    Compiled for the H200 with triton 3.6, none of the 16-bit ones spills registers."""
-    if dtype == torch.float32:
-        return [(16, 32, 4, 2)]
-    if seq_q <= 64:
-        return [(32, 64, 4, 3), (32, 64, 8, 3)]
-    if head_dim <= 64:
-        return [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)]
-    return [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (64, 64, 8, 3)]
-
-
-def dq_candidates(dtype, head_dim: int, seq_q: int) -> list:
-    """Configurations the GPU autotuner times for the dQ kernel (BLOCK_M queries per program)."""
-    if dtype == torch.float32:
-        return [(32, 16, 4, 2)]
-    if seq_q <= 64:
-        return [(64, 64, 4, 3)]
-    if head_dim <= 64:
-        return [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)]
-    return [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)]
+DELTA_BLOCK_M = 64  # query rows per program of the delta pass, a pure stream over O and dO
 
 
 @triton.jit
@@ -59,17 +48,14 @@ def attention_bwd_delta_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     # delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: reads O and dO once, writes an fp32 per row
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
     m0 = tl.program_id(0) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows_in = offs_m < SEQ_Q
-    head = (off_b * H + off_h) * SEQ_Q  # O and DELTA are ours: contiguous
+    head = head_index(H) * SEQ_Q  # O and DELTA are ours: contiguous
     o_ptrs = O + head * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     o = tl.load(o_ptrs, mask=rows_in[:, None], other=0.0).to(tl.float32)
-    do_ptrs = DO + off_b * stride_db + off_h * stride_dh
-    do_ptrs += offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd
+    do_ptrs = head_tile(DO, stride_db, stride_dh, stride_dm, stride_dd, offs_m, offs_d)
     do = tl.load(do_ptrs, mask=rows_in[:, None], other=0.0).to(tl.float32)
     tl.store(DELTA + head + offs_m, tl.sum(o * do, 1), mask=rows_in)
 
@@ -88,9 +74,9 @@ def _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dm, LSE, DELTA
         # rows past the end get LSE = +inf: their probabilities are exactly 0
         lse = tl.load(LSE + offs_m, mask=rows_in, other=float("inf"))
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        p_t = tl.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
-        if MASKED:  # the causal diagonal: query i sees key j when j <= i + Sk - Sq
-            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + diagonal, p_t, 0.0)
+        p_t = tl.exp2(s_t * qk_scale - lse[None, :] * LOG2E)
+        if MASKED:  # the causal diagonal
+            p_t = tl.where(causal_sees(offs_m[None, :], offs_n[:, None], diagonal), p_t, 0.0)
         do = tl.load(do_ptrs + start_m * stride_dm, mask=rows_in[:, None], other=0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(DELTA + offs_m, mask=rows_in, other=0.0)
@@ -100,7 +86,13 @@ def _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dm, LSE, DELTA
     return dk, dv
 
 
-@triton.jit
+# FLOPs: S^T, dV, dP^T and dK, four matmuls, 8*D per visible score.
+dkdv_metadata = profiler_metadata(
+    flops_per_score=8, tensors=("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV")
+)
+
+
+@triton.jit(launch_metadata=dkdv_metadata)
 def attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -112,8 +104,6 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -121,20 +111,16 @@ def attention_bwd_dkdv_kernel(
     diagonal = SEQ_K - SEQ_Q
     # this program's keys and values, read once; keys past the end load as 0 and their rows of
     # dK and dV are never stored
-    k_ptrs = K + off_b * stride_kb + off_h * stride_kh
-    k = tl.load(k_ptrs + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=cols_in[:, None], other=0.0)  # fmt: skip
-    v_ptrs = V + off_b * stride_vb + off_h * stride_vh
-    v = tl.load(v_ptrs + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=cols_in[:, None], other=0.0)  # fmt: skip
+    k_ptrs = head_tile(K, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
+    k = tl.load(k_ptrs, mask=cols_in[:, None], other=0.0)
+    v_ptrs = head_tile(V, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
+    v = tl.load(v_ptrs, mask=cols_in[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     rows = tl.arange(0, BLOCK_M)
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh
-    q_ptrs += rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_ptrs = DO + off_b * stride_db + off_h * stride_dh
-    do_ptrs += rows[:, None] * stride_dm + offs_d[None, :] * stride_dd
-    head = (off_b * H + off_h) * SEQ_Q
+    q_ptrs = head_tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, rows, offs_d)
+    do_ptrs = head_tile(DO, stride_db, stride_dh, stride_dm, stride_dd, rows, offs_d)
+    head = head_index(H) * SEQ_Q
     if CAUSAL:
         # Rows before n0 - diagonal see none of these keys: skipped. Rows from
         # n0 + BLOCK_N - 1 - diagonal on see all of them: no mask. Between: the diagonal.
@@ -149,7 +135,7 @@ def attention_bwd_dkdv_kernel(
                           DELTA + head, offs_n, full, SEQ_Q, SEQ_Q, diagonal, qk_scale,
                           BLOCK_M, False, DOT_PRECISION)  # fmt: skip
 
-    out = (off_b * H + off_h) * SEQ_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    out = head_index(H) * SEQ_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols_in[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols_in[:, None])
 
@@ -158,30 +144,30 @@ def attention_bwd_dkdv_kernel(
 def _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, start, end,
                seq_k, diagonal, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    # Keys [start, end) for this program's query rows: the same ranges as the forward pass.
+    # Keys [start, end) for this program's query rows: the same ranges, loads and masks as the
+    # forward's _fwd_blocks, with P recomputed from the log-sum-exp instead of a running max.
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < seq_k, other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < seq_k, other=0.0)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-            v = tl.load(v_ptrs + start_n * stride_vn)
+        k = kv_block(k_ptrs, start_n, stride_kn, cols, seq_k, MASKED)
+        v = kv_block(v_ptrs, start_n, stride_vn, cols, seq_k, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:  # keys past the end, and the causal diagonal
-            keep = cols[None, :] < seq_k
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diagonal)
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(key_mask(offs_m, cols, seq_k, diagonal, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
-@triton.jit
+# FLOPs: S, dP and dQ, three matmuls, 6*D per visible score.
+dq_metadata = profiler_metadata(
+    flops_per_score=6, tensors=("Q", "K", "V", "DO", "LSE", "DELTA", "DQ")
+)
+
+
+@triton.jit(launch_metadata=dq_metadata)
 def attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -196,34 +182,23 @@ def attention_bwd_dq_kernel(
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     rows_in = offs_m < SEQ_Q
     diagonal = SEQ_K - SEQ_Q
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh
-    q = tl.load(q_ptrs + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=rows_in[:, None], other=0.0)  # fmt: skip
-    do_ptrs = DO + off_b * stride_db + off_h * stride_dh
-    do = tl.load(do_ptrs + offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd,
-                 mask=rows_in[:, None], other=0.0)  # fmt: skip
-    head = (off_b * H + off_h) * SEQ_Q  # LSE, DELTA and DQ are ours: contiguous
-    lse2 = tl.load(LSE + head + offs_m, mask=rows_in, other=0.0) * 1.4426950408889634
+    q_ptrs = head_tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d)
+    q = tl.load(q_ptrs, mask=rows_in[:, None], other=0.0)
+    do_ptrs = head_tile(DO, stride_db, stride_dh, stride_dm, stride_dd, offs_m, offs_d)
+    do = tl.load(do_ptrs, mask=rows_in[:, None], other=0.0)
+    head = head_index(H) * SEQ_Q  # LSE, DELTA and DQ are ours: contiguous
+    lse2 = tl.load(LSE + head + offs_m, mask=rows_in, other=0.0) * LOG2E
     delta = tl.load(DELTA + head + offs_m, mask=rows_in, other=0.0)
-    k_ptrs = K + off_b * stride_kb + off_h * stride_kh
-    k_ptrs += offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_h * stride_vh
-    v_ptrs += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_ptrs = head_tile(K, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
+    v_ptrs = head_tile(V, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        end = tl.minimum(m0 + BLOCK_M + diagonal, SEQ_K)
-        full = tl.minimum(m0 + diagonal + 1, SEQ_K) // BLOCK_N * BLOCK_N
-    else:
-        end = SEQ_K
-        full = SEQ_K // BLOCK_N * BLOCK_N
+    full, end = key_ranges(m0, SEQ_K, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, 0, full,
                     SEQ_K, diagonal, qk_scale, BLOCK_N, False, CAUSAL, DOT_PRECISION)  # fmt: skip
     dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, full,
@@ -254,7 +229,7 @@ def attention_backward(do, q, k, v, o, lse, causal, sm_scale, precision, configs
     attention_bwd_delta_kernel[grid](o, do, delta, *do.stride(), H, Sq,
                                      HEAD_DIM=D, BLOCK_M=DELTA_BLOCK_M)  # fmt: skip
     args = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), H, Sq, Sk, sm_scale,
-            sm_scale * LOG2E, *length_buckets(Sq, Sk))  # fmt: skip
+            sm_scale * LOG2E.value, *length_buckets(Sq, Sk))  # fmt: skip
     meta = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=precision)
     dkdv_config = choose_config(configs[0], CPU_DKDV_CONFIG, dkdv_candidates, q, k)
     launch(attention_bwd_dkdv_kernel, _dkdv_tuned, (q, k, v, do, lse, delta, dk, dv, *args),

@@ -4,6 +4,10 @@
 - gelu: the exact (erf) GELU, F.gelu's default (bias_gelu and the matmul epilogues).
 - grouped_tile: the order in which a matmul's programs visit output tiles (both matmuls).
 - epilogue: bias and activation applied to a matmul's fp32 tile before its one store.
+- attention's forward and backward kernels share the grid's (batch, head) addressing
+  (head_index, head_tile), the causal rule (causal_sees, key_mask), the key ranges of a query
+  block (key_ranges) and the key/value block load (kv_block): a mask or a range fixed in one
+  place cannot desynchronize the forward from its gradients.
 
 A kernel may read a module-level constant only if it is a `tl.constexpr`; host code reads
 its `.value`.
@@ -47,3 +51,65 @@ def epilogue(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.cons
     elif ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0)
     return acc
+
+
+@triton.jit
+def head_index(H):
+    """This program's (batch, head) slice, b * H + h, in 64 bits (B*H*S*D may pass 2**31).
+    Attention grids are (blocks, H, B): axis 1 is the head, axis 2 the batch."""
+    return tl.program_id(2).to(tl.int64) * H + tl.program_id(1).to(tl.int64)
+
+
+@triton.jit
+def head_tile(X, stride_b, stride_h, stride_s, stride_d, rows, offs_d):
+    """Pointers to `rows` x `offs_d` of this program's (batch, head) slice of a strided
+    (B, H, S, D) tensor: a 64-bit offset to the slice, then one tile of 32-bit offsets inside it
+    (the launchers' `with_32bit_head_offsets` makes sure they fit), added to it at once."""
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    head = X + off_b * stride_b + off_h * stride_h
+    return head + (rows[:, None] * stride_s + offs_d[None, :] * stride_d)
+
+
+@triton.jit
+def causal_sees(rows, cols, diagonal):
+    """Whether query `rows` sees key `cols` (broadcast together) under the causal mask aligned
+    to the end: j <= i + diagonal, diagonal = Sk - Sq, so the last query sees every key."""
+    return cols <= rows + diagonal
+
+
+@triton.jit
+def key_mask(rows, cols, seq_k, diagonal, CAUSAL: tl.constexpr):
+    """The (rows, cols) scores of a masked key block that count: keys inside the sequence and,
+    with CAUSAL, only those each query sees."""
+    keep = cols[None, :] < seq_k
+    if CAUSAL:
+        keep = keep & causal_sees(rows[:, None], cols[None, :], diagonal)
+    return keep
+
+
+@triton.jit
+def key_ranges(m0, seq_k, diagonal, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr):  # fmt: skip
+    """(full, end) for the query rows [m0, m0 + BLOCK_M): keys [0, full) are whole blocks that
+    every row sees (no mask at all); [full, end) need masks. With CAUSAL, keys after the block's
+    last row are never visited: about half the work."""
+    if CAUSAL:
+        end = tl.minimum(m0 + BLOCK_M + diagonal, seq_k)
+        full = tl.minimum(m0 + diagonal + 1, seq_k) // BLOCK_N * BLOCK_N
+    else:
+        end = seq_k
+        full = seq_k // BLOCK_N * BLOCK_N
+    return full, end
+
+
+@triton.jit
+def kv_block(ptrs, start_n, stride_n, cols, seq_k, MASKED: tl.constexpr):
+    """Keys (or values) `cols` = start_n + arange(BLOCK_N), from a (BLOCK_N, D) pointer tile at
+    key 0 moved by the loop index. The hot loop (MASKED=False) reads whole blocks with no mask;
+    a masked block loads 0 past seq_k."""
+    if MASKED:
+        block = tl.load(ptrs + start_n * stride_n, mask=cols[:, None] < seq_k, other=0.0)
+    else:
+        block = tl.load(ptrs + start_n * stride_n)
+    return block

@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,10 +10,23 @@ from kernels import check
 from kernels.attention import (
     attention,
     attention_forward,
+    attention_fwd_kernel,
     attention_ref,
-    forward_candidates,
+    forward_metadata,
 )
-from kernels.attention_backward import attention_backward, dkdv_candidates, dq_candidates
+from kernels.attention_backward import (
+    attention_backward,
+    attention_bwd_dkdv_kernel,
+    attention_bwd_dq_kernel,
+    dkdv_metadata,
+    dq_metadata,
+)
+from kernels.attention_tuning import (
+    dkdv_candidates,
+    dq_candidates,
+    forward_candidates,
+    visible_scores,
+)
 from kernels.runtime import DEVICE, ON_GPU
 from kernels.validate import input_precision
 
@@ -50,17 +64,29 @@ def reference(q, k, v, do, causal, sm_scale=None):
     return out, q64.grad, k64.grad, v64.grad
 
 
-def sdpa_baseline(q, k, v, do, causal):
-    """torch's own same-dtype attention and gradients: the 'at most 2x torch's error' baseline."""
+def sdpa(q, k, v, causal=False, sm_scale=None):
+    """torch's own same-dtype attention: the 'at most 2x torch's error' baseline."""
     Sq, Sk = q.shape[2], k.shape[2]
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq) if causal else None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale)
+
+
+def sdpa_baseline(q, k, v, do, causal):
+    """sdpa's output and gradients."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = sdpa(q, k, v, causal)
     out.backward(do)
     return out, q.grad, k.grad, v.grad
 
 
 def run_and_check(q, k, v, do, causal, dtype, sm_scale=None, baseline=False):
+    # the forward's values through the shared checker: poisoned outputs, the fp64 reference,
+    # dtype and contiguity of the output, inputs unchanged
+    result = check.against_fp64(attention, q, k, v, ref=attention_ref, op="attention",
+                                baseline=sdpa if baseline else None, causal=causal,
+                                sm_scale=sm_scale)  # fmt: skip
+    assert result.ok, f"out: {result.message}"
+    # the gradients, against autograd through the fp64 reference
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     with check.poisoned_allocations():  # elements the kernels fail to write show up as NaN
@@ -193,6 +219,74 @@ def test_fp32_precision_follows_torch():
     finally:
         torch.set_float32_matmul_precision(previous)
     assert input_precision(torch.bfloat16) == "tf32"  # ignored for 16-bit inputs
+
+
+@pytest.mark.parametrize("Sq, Sk", [(1, 1), (1, 40), (5, 37), (33, 33)], ids=str)
+def test_visible_scores_count_the_reference_mask(Sq, Sk):
+    # the FLOPs a profiler reports count exactly the scores attention_ref's causal mask keeps
+    visible = torch.ones(Sq, Sk, dtype=torch.bool).tril(diagonal=Sk - Sq)
+    assert visible_scores(Sq, Sk, causal=True) == int(visible.sum())
+    assert visible_scores(Sq, Sk, causal=False) == Sq * Sk
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_launch_metadata_names_shape_flops_and_bytes(dtype, causal):
+    B, H, Sq, Sk, D = 3, 5, 7, 11, 64
+    size = torch.empty((), dtype=dtype).element_size()
+    q, do, o, dq = (torch.empty(B, H, Sq, D, dtype=dtype, device="meta") for _ in range(4))
+    k, v, dk, dv = (torch.empty(B, H, Sk, D, dtype=dtype, device="meta") for _ in range(4))
+    lse, delta = (torch.empty(B, H, Sq, device="meta") for _ in range(2))  # fp32
+    args = dict(Q=q, K=k, V=v, O=o, LSE=lse, DO=do, DELTA=delta, DQ=dq, DK=dk, DV=dv,
+                CAUSAL=causal, BLOCK_M=32, BLOCK_N=16)  # fmt: skip
+    scores = B * H * (Sq * Sk - Sq * (Sq - 1) // 2 if causal else Sq * Sk)
+    q_bytes, kv_bytes, row_bytes = B * H * Sq * D * size, B * H * Sk * D * size, B * H * Sq * 4
+    expected = {  # (metadata, kernel, FLOPs, compulsory bytes)
+        "forward": (forward_metadata, attention_fwd_kernel, 4 * D * scores,
+                    2 * q_bytes + 2 * kv_bytes + row_bytes),  # Q, K, V in; O, LSE out
+        "dK/dV": (dkdv_metadata, attention_bwd_dkdv_kernel, 8 * D * scores,
+                  2 * q_bytes + 4 * kv_bytes + 2 * row_bytes),  # Q, dO, K, V, LSE, delta; dK, dV
+        "dQ": (dq_metadata, attention_bwd_dq_kernel, 6 * D * scores,
+               2 * q_bytes + 2 * kv_bytes + 2 * row_bytes + q_bytes),  # ... and dQ out
+    }  # fmt: skip
+    for label, (metadata, kernel, flops, nbytes) in expected.items():
+        got = metadata((1, H, B), SimpleNamespace(name="kernel_name"), args)
+        shape = f"B={B} H={H} Sq={Sq} Sk={Sk} D={D}" + (" causal" if causal else "")
+        assert got == {"name": f"kernel_name [{shape}]", "flops": flops, "bytes": nbytes}, label
+        # the kernel carries it (a JITFunction as an attribute, the interpreter among its kwargs)
+        carried = getattr(kernel, "launch_metadata", None) or kernel.kwargs["launch_metadata"]
+        assert carried is metadata, label
+
+
+@GPU
+def test_profiler_hook_sees_named_launches():
+    import triton
+
+    seen = []
+    hooks = triton.knobs.runtime
+    record = lambda metadata: seen.append(metadata.get())
+    chained = hasattr(hooks.launch_enter_hook, "add")  # a HookChain in newer Triton
+    previous = hooks.launch_enter_hook
+    if chained:
+        hooks.launch_enter_hook.add(record)
+    else:
+        hooks.launch_enter_hook = record
+    try:
+        q, k, v, do = make_inputs((2, 3, 129, 257, 64), torch.bfloat16, seed=31)
+        q.requires_grad_()
+        attention(q, k, v, causal=True).backward(do)
+        torch.cuda.synchronize()
+    finally:
+        if chained:
+            hooks.launch_enter_hook.remove(record)
+        else:
+            hooks.launch_enter_hook = previous
+    names = {m["name"]: m for m in seen}
+    shape = "[B=2 H=3 Sq=129 Sk=257 D=64 causal]"
+    forward = names[f"attention_fwd_kernel {shape}"]
+    assert forward["flops"] == 4 * 64 * 2 * 3 * visible_scores(129, 257, True)
+    assert f"attention_bwd_dkdv_kernel {shape}" in names
+    assert f"attention_bwd_dq_kernel {shape}" in names
 
 
 @GPU
