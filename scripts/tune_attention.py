@@ -35,7 +35,7 @@ from kernels.attention_tuning import (  # noqa: E402
     dq_candidates,
     forward_candidates,
 )
-from kernels.benchmarks import ATTENTION_TOKENS, attention_flops, time_attention  # noqa: E402
+from kernels.benchmarks.attention import ATTENTION_TOKENS, attention_flops, time_attention  # noqa: E402
 from kernels.runtime import DEVICE  # noqa: E402
 
 # (B, H, Sq, Sk, D) checked, the dtypes, and the (D, causal, S) timed with B*H*S tokens, H heads
