@@ -47,8 +47,8 @@ def draw(rng, shape, dtype=torch.float32, scale: float = 1.0) -> tuple[torch.Ten
 
 def strided(x: torch.Tensor) -> torch.Tensor:
     """x's values in a truly strided view: every other element along the last dim of a tensor
-    twice as wide (zeros in between). Unlike a transposed view, which is still dense, neither
-    flat indexing nor a copy of its memory reads the right elements."""
+    twice as wide, zeros in between. A transposed view is still dense (flat indexing of its
+    memory meets every element once); this one is not: flat indexing reads the zeros."""
     base = x.new_zeros((*x.shape[:-1], 2 * x.shape[-1]))
     base[..., ::2] = x
     return base[..., ::2]
@@ -158,10 +158,10 @@ def timed(
 
 
 def standard(make: Callable, specs, dtypes, rng, *, again, strided_spec, extra=()) -> list:
-    """The loop every kernel task runs, per dtype: `make(rng, spec, dtype)` for each spec; `again`
-    once more with fresh data (a result cached across calls shows); each (spec, options) of
-    `extra` as `make(rng, spec, dtype, **options)`; and `strided_spec` as a truly strided view,
-    `make(rng, spec, dtype, strided=True)`."""
+    """A kernel task's standard cases, per dtype: `make(rng, spec, dtype)` for each spec; `again`
+    once more with fresh data (a result cached across calls shows; None: no repeat); each
+    (spec, options) of `extra` as `make(rng, spec, dtype, **options)`; and `strided_spec` as a
+    truly strided view, `make(rng, spec, dtype, strided=True)`."""
     cases = []
     for dtype in dtypes:
         cases += [make(rng, spec, dtype) for spec in specs]
