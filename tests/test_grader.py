@@ -6,11 +6,13 @@ time limit, so the file stays within a couple of minutes on two cores.
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 from bad_submissions import make_submission, run_grader
 
+from kernels.grader import grade, runner
 from kernels.runtime import ON_GPU
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +32,7 @@ STORE_TO_X = STORE + "\n    " + STORE.replace("out_ptr +", "x_ptr +")
 CACHE = ("BLOCK_SIZE = 1024", "BLOCK_SIZE = 1024\nseen = {}")
 PREDICTED = DOC_END.replace("\n", "\n    from kernels.bench import predicted_ms\n", 1)
 CACHED_RETURN = "    return seen.setdefault((x.shape, x.dtype, repeat), out)\n    ### END SOLUTION"
+CONTIGUOUS = "    x = x.contiguous()  # flat indexing needs dense memory\n"
 
 # name -> (the graded cell to change: a function's name or "import", [(old, new), ...])
 KERNEL_CASES = {
@@ -57,6 +60,8 @@ KERNEL_CASES = {
         [(END, "    return torch.empty_like(out)\n    ### END SOLUTION")],
     ),
     "wrong_values": ("repeat_fma", [("y = y * 0.99 + 0.01", "y = y * 0.98 + 0.01")]),
+    # flat indexing of a strided view reads the wrong memory; a transposed view hid this
+    "no_contiguous": ("repeat_fma", [(CONTIGUOUS, "")]),
 }
 LOAD_CASES = {
     "syntax_error": ("op_cost", [('if op == "add":', 'if op == "add"')]),
@@ -64,6 +69,7 @@ LOAD_CASES = {
     "imports_os": ("import", [(IMPORTS, IMPORTS + "\nimport os")]),
     "private_api": ("import", [(IMPORTS, IMPORTS + "\ntorch._C._set_grad_enabled(True)")]),
     "load_hang": ("import", [(IMPORTS, IMPORTS + "\nwhile True:\n    pass")]),
+    "load_exit": ("import", [(IMPORTS, IMPORTS + "\nexit(3)")]),
 }
 VALUE_CASES = {
     "wrong_formula": ("op_cost", [('3 * sizes["n"]', '2 * sizes["n"]')]),
@@ -125,6 +131,7 @@ EXPECTED = {
     "kernel_stub": ["not implemented yet", "write the kernel", "cell 11, line"],
     "other_tensor": ["returned a tensor that was not given to any kernel launch"],
     "wrong_values": ["wrong values: max abs error", "shape (1,), float32", "seed", "Hint:"],
+    "no_contiguous": ["wrong values", "shape (33, 65), non-contiguous, float32"],
 }
 
 
@@ -159,6 +166,7 @@ def test_the_table_shows_one_line_per_failure(kernel_batch):
         ("imports_os", ["imports os", "may import only"]),
         ("private_api", ["uses the private attribute", "public APIs"]),
         ("load_hang", [f"did not finish within {TIME_LIMIT} s", "while loading your graded cells"]),
+        ("load_exit", ["called exit()", "while loading your graded cells"]),
     ],
 )
 def test_a_broken_load_fails_every_task(load_batch, name, fragments):
@@ -185,3 +193,27 @@ def test_calling_the_courses_roofline_earns_nothing(value_batch):
     found = task(reports, "calls_predicted_ms", "roofline_ms")
     assert found["status"] == "failed" and "predicted_ms" in found["message"]
     assert task(reports, "calls_predicted_ms", "op_cost")["status"] == "passed"
+
+
+def test_a_submission_that_hangs_while_loading_is_loaded_once_and_fails_every_task(tmp_path):
+    """Lab 3's kernel tasks allow 180 s each; a hang at the top level of a graded cell is found
+    by one child, within the load's own limit, and fails every task with that one message."""
+    solution = ROOT / "solutions" / "lab03_matmul.ipynb"
+    marker = "from kernels.runtime import DEVICE, ON_GPU"
+    sleep = marker + "\nimport time\ntime.sleep(10**6)"  # a hang that costs no CPU
+    path = make_submission(solution, tmp_path, "sleeps", [(marker, marker, sleep)])
+    started = []
+
+    def command(jobdir):
+        started.append(Path(jobdir).name)
+        return runner.child_command(jobdir)
+
+    begun = time.monotonic()
+    (report,), errors, _ = grade.grade([path], jobs=4, command=command)
+    assert time.monotonic() - begun < 90 and errors == []
+    assert len(started) == 1, started
+    ran = [t for t in report["tasks"] if t["status"] != "needs_gpu"]
+    assert len(ran) == 4 and all(t["status"] == "failed" for t in ran), ran
+    (message,) = {t["message"] for t in ran}
+    assert f"did not finish within {grade.LOAD_LIMIT_S:g} s" in message
+    assert "while loading your graded cells" in message

@@ -1,5 +1,6 @@
-"""The grader's parts on their own: cells, static checks, the child runner, the verdicts,
-the op log, and the starter generator. Fast: the only child processes are tiny scripts."""
+"""The grader's parts on their own: the submission reader, static checks, the child runner,
+the verdicts, the case kit, the op log, and the starter generator. Fast: the only child
+processes are tiny scripts."""
 
 import json
 import signal
@@ -12,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.grader import cells, runner, starters, static
+from kernels.grader import runner, starters, static_checks, submission
 from kernels.grader.child import Observer, learners, op_name
 from kernels.grader.tasks import Case, Task, evaluate
 
 
-def submission(source: str, tmp_path, tags=("graded",)) -> cells.Submission:
+def read(source: str, tmp_path, tags=("graded",)) -> submission.Submission:
     nb = {
         "cells": [
             {"cell_type": "markdown", "metadata": {}, "source": "# Lab"},
@@ -30,43 +31,43 @@ def submission(source: str, tmp_path, tags=("graded",)) -> cells.Submission:
     }
     path = tmp_path / "lab01_regimes.ipynb"
     path.write_text(json.dumps(nb))
-    return cells.load(path, {"lab01_regimes": []})
+    return submission.load(path, {"lab01_regimes": []})
 
 
 def analyse(source, tmp_path):
-    return static.analyse(submission(source, tmp_path))
+    return static_checks.analyse(read(source, tmp_path))
 
 
 HEADER = "import math\nimport torch\nimport triton\nimport triton.language as tl\n"
 
 
 def test_only_graded_cells_are_loaded_and_lines_map_back(tmp_path):
-    sub = submission("x = 1\n%timeit x\ny = 2", tmp_path)
+    sub = read("x = 1\n%timeit x\ny = 2", tmp_path)
     assert "not graded" not in sub.source
     assert "pass  # notebook magic" in sub.source
     assert sub.where(3) == "cell 2, line 3: `y = 2`"
 
 
 def test_a_notebook_without_graded_cells_is_still_a_lab(tmp_path):
-    sub = submission("x = 1", tmp_path, tags=())
+    sub = read("x = 1", tmp_path, tags=())
     assert sub.source.strip() == ""
 
 
 def test_files_that_are_not_labs_are_refused(tmp_path):
-    with pytest.raises(cells.NotALab, match="no such file"):
-        cells.load(tmp_path / "missing.ipynb", {"lab01_regimes": []})
+    with pytest.raises(submission.NotALab, match="no such file"):
+        submission.load(tmp_path / "missing.ipynb", {"lab01_regimes": []})
     (tmp_path / "notes.ipynb").write_text("not json")
-    with pytest.raises(cells.NotALab, match="not a Jupyter notebook"):
-        cells.load(tmp_path / "notes.ipynb", {"lab01_regimes": []})
+    with pytest.raises(submission.NotALab, match="not a Jupyter notebook"):
+        submission.load(tmp_path / "notes.ipynb", {"lab01_regimes": []})
     (tmp_path / "other.ipynb").write_text(json.dumps({"cells": [], "metadata": {}}))
-    with pytest.raises(cells.NotALab, match="not one of the course's labs"):
-        cells.load(tmp_path / "other.ipynb", {"lab01_regimes": []})
+    with pytest.raises(submission.NotALab, match="not one of the course's labs"):
+        submission.load(tmp_path / "other.ipynb", {"lab01_regimes": []})
 
 
 def test_the_lab_is_found_from_the_file_name_when_metadata_is_missing(tmp_path):
     path = tmp_path / "alice_lab01.ipynb"
     path.write_text(json.dumps({"cells": [], "metadata": {}}))
-    assert cells.load(path, {"lab01_regimes": []}).lab == "lab01_regimes"
+    assert submission.load(path, {"lab01_regimes": []}).lab == "lab01_regimes"
 
 
 def test_a_clean_kernel_passes_the_static_checks(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kernels.grader import cells, starters, static
+from kernels.grader import starters, static_checks, submission
 from kernels.grader.labs import LABS
 from kernels.notebook import check_recorded
 from kernels.runtime import ON_GPU
@@ -92,7 +92,7 @@ def test_a_lab_states_each_task_and_its_points(solution):
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=IDS)
 def test_graded_cells_define_every_task_cleanly(solution):
-    found = static.analyse(cells.load(solution, LABS))
+    found = static_checks.analyse(submission.load(solution, LABS))
     assert found.problems == [] and found.kernel_problems == []
     assert {task.function for task in LABS[solution.stem]} <= found.defined
     assert not found.stubs
@@ -109,7 +109,7 @@ def test_starters_have_stubs_and_no_outputs(solution, tmp_path):
             assert cell.outputs == [] and cell.execution_count is None
     path = tmp_path / solution.name
     path.write_text(text)
-    found = static.analyse(cells.load(path, LABS))
+    found = static_checks.analyse(submission.load(path, LABS))
     assert {task.function for task in LABS[solution.stem]} <= set(found.stubs)
 
 
@@ -183,7 +183,19 @@ def test_a_file_that_is_not_a_notebook_is_exit_status_2(tmp_path):
 
 def test_an_unknown_task_is_exit_status_2():
     out = kernels_cli("grade", *SOLUTIONS, "--task", "no_such_task")
-    assert out.returncode == 2 and "no task named no_such_task" in out.stdout
+    assert out.returncode == 2, out.stdout + out.stderr
+    for solution in SOLUTIONS:
+        assert f"{solution.stem} has no task named no_such_task" in out.stderr
+    assert "score" not in out.stdout
+
+
+def test_a_task_of_another_lab_is_exit_status_2_and_names_this_labs_tasks():
+    lab = ROOT / "labs" / "lab01_regimes.ipynb"
+    out = kernels_cli("grade", lab, "--task", "attention")
+    assert out.returncode == 2, out.stdout + out.stderr
+    tasks = ", ".join(task.name for task in LABS["lab01_regimes"])
+    assert f"lab01_regimes has no task named attention; its tasks: {tasks}" in out.stderr
+    assert "score" not in out.stdout  # nothing graded, rather than 0/0
 
 
 @pytest.mark.gpu

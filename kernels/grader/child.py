@@ -3,14 +3,17 @@
     python -m kernels.grader.child JOBDIR
 
 JOBDIR holds job.json (the learner's module file, the function to call, the options) and
-inputs.pt (the cases' inputs, drawn by the grader; never the expected outputs). The child
-writes progress lines ("start", "case 3", "done") and, at the end, result.pt: per case the
-output, the inputs as they were after the call, the Triton kernels launched and the torch
-ops called. The grader loads it with `weights_only=True`, compares the outputs with its own
-references, and counts a missing result, an exit status or printed text as nothing.
+inputs.pt (the cases' inputs, drawn by the grader; never the expected outputs). A job with no
+function and no cases only loads the module: the grader runs one per submission before its
+tasks. The child writes progress lines ("start", "case 3", "done") and, at the end,
+result.pt: per case the output, the inputs as they were after the call, the Triton kernels
+launched and the torch ops called. The grader loads it with `weights_only=True`, compares
+the outputs with its own references, and counts a missing result, an exit status or printed
+text as nothing.
 """
 
 import contextlib
+import dataclasses
 import faulthandler
 import importlib
 import importlib.util
@@ -149,16 +152,24 @@ def describe(exc: BaseException, module_path: str, phase: str) -> dict:
     }
 
 
-def _materialize(value, device):
-    if isinstance(value, dict) and "random" in value:  # a large input made here, for timing
-        from kernels.check import random_tensor
+def _on_device(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device` with its strides kept: `Tensor.to` would make a strided view contiguous."""
+    if t.device == torch.device(device):
+        return t
+    moved = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return moved.copy_(t)
 
-        return random_tensor(value["random"], value["dtype"], seed=value["seed"], device=device)
+
+def _materialize(value, device):
+    from kernels.grader import cases
+
+    if cases.is_big_random(value):  # a large input made here, for timing
+        return cases.make_big_random(value, device)
     if isinstance(value, dict) and str(value.get("builder", "")).startswith("kernels.grader."):
         module, name = value["builder"].split(":")  # an object the grader describes, made here
         return vars(importlib.import_module(module))[name](**value["kwargs"])
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return _on_device(value, device)
     return value
 
 
@@ -170,12 +181,12 @@ TIMED_AGAINST = {
 
 
 def _time_case(fn, args, kwargs, against="copy") -> dict:
-    import triton.testing
+    from kernels.bench import time_ms
+    from kernels.grader.tasks import Timing
 
-    ms = triton.testing.do_bench(lambda: fn(*args, **kwargs), return_mode="median")
-    torch_op = TIMED_AGAINST[against]
-    torch_ms = triton.testing.do_bench(lambda: torch_op(args), return_mode="median")
-    return {"ms": float(ms), f"{against}_ms": float(torch_ms)}
+    ms = time_ms(fn, *args, **kwargs)
+    baseline_ms = time_ms(TIMED_AGAINST[against], args)
+    return dataclasses.asdict(Timing(ms, baseline_ms, against))
 
 
 def run_case(fn, case, job, observer) -> dict:
@@ -248,8 +259,9 @@ def main(jobdir: Path) -> None:
     result = {"cases": [], "error": None}
     mark("start")  # the learner's time limit counts from here
     try:
-        fn = vars(_load(job["module"])).get(job["function"])
-        if not callable(fn):
+        module = _load(job["module"])
+        fn = vars(module).get(job["function"]) if job["function"] else None
+        if job["function"] and not callable(fn):
             raise NameError(f"your graded cells define no function {job['function']}")
     except BaseException as exc:  # anything the learner's module does while loading
         result["error"] = describe(exc, job["module"], "load")

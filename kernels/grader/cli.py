@@ -18,22 +18,9 @@ def add_commands(sub) -> None:
     p.add_argument("--check", action="store_true", help="only say whether labs/ is up to date")
 
 
-def _known_tasks(only):
-    from kernels.grader.labs import LABS
-
-    names = {task.name for tasks in LABS.values() for task in tasks}
-    unknown = sorted(set(only or ()) - names)
-    if unknown:
-        print(f"no task named {', '.join(unknown)}; tasks: {', '.join(sorted(names))}")
-        return False
-    return True
-
-
 def grade_command(args) -> int:
     from kernels.grader import grade, report
 
-    if not _known_tasks(args.task):
-        return 2
     try:
         reports, errors, seed = grade.grade(
             args.paths, only=args.task, seed=args.seed, time_limit=args.time_limit, jobs=args.jobs
@@ -41,7 +28,8 @@ def grade_command(args) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing graded")
         return 130
-    print(f"Inputs drawn with seed {seed} (--seed {seed} draws the same ones again).\n")
+    if reports:
+        print(f"Inputs drawn with seed {seed} (--seed {seed} draws the same ones again).\n")
     for r in reports:
         print(report.table(r) + "\n")
     for error in errors:

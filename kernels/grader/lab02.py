@@ -8,8 +8,8 @@ tolerance table (`kernels.check`): elementwise for bias + GELU, reduction for th
 
 import torch
 
-from kernels import check
-from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
+from kernels.grader import cases
+from kernels.grader.tasks import Case, kernel_task
 
 NAME = "lab02_fusion"
 CPU_DTYPES = (torch.float32, torch.float16)
@@ -25,63 +25,40 @@ RMS_NORM_OPS = frozenset(
 )
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _draw(rng, shape, dtype, scale=1.0, transpose=False):
-    """Fresh values of `shape` (made as the transpose of a contiguous tensor when asked)."""
-    seed = rng.randrange(2**31)
-    made = tuple(reversed(shape)) if transpose else shape
-    x = check.random_tensor(made, torch.float32, seed=seed, device="cpu", scale=scale)
-    return (x.t() if transpose else x), seed
-
-
-def _label(x, dtype, seed, extra="") -> str:
-    kind = ", non-contiguous" if not x.is_contiguous() else ""
-    return f"shape {tuple(x.shape)}{kind}, {_dtype_name(dtype)}{extra}, seed {seed}"
-
-
-def _values(op: str):
-    def check_values(case: Case, out) -> str | None:
-        result = check.compare(out, case.expected, op=op, dtype=case.dtype)
-        return None if result.ok else f"wrong values: {result.message}"
-
-    return check_values
-
-
 # Task 1: bias + GELU
 
 
-def _bias_gelu_case(rng, shape, dtype, transpose=False):
+def _bias_gelu_case(rng, shape, dtype, strided=False):
     from kernels.elementwise import bias_gelu_ref
 
-    x, seed = _draw(rng, shape, dtype, scale=rng.choice((1.0, 3.0)), transpose=transpose)
-    bias, _ = _draw(rng, shape[-1:], dtype)
-    x, bias = x.to(dtype), bias.to(dtype)
+    x, seed = cases.draw(rng, shape, dtype, scale=rng.choice((1.0, 3.0)))
+    bias, _ = cases.draw(rng, shape[-1:], dtype)
+    x = cases.strided(x) if strided else x
     expected = bias_gelu_ref(x.double(), bias.double())
-    return Case((x, bias), _label(x, dtype, seed), expected=expected, dtype=dtype)
+    return Case((x, bias), cases.label(x, dtype, seed), expected=expected, dtype=dtype)
 
 
 BIAS_GELU_SHAPES = ((1,), (3,), (127,), (4097,), (3, 127), (129, 1000), (2, 3, 129), (5, 1025))
 
 
 def _bias_gelu_cases(rng):
-    cases = []
-    for dtype in CPU_DTYPES:
-        cases += [_bias_gelu_case(rng, shape, dtype) for shape in BIAS_GELU_SHAPES]
-        cases.append(_bias_gelu_case(rng, (129, 1000), dtype))  # new data: a cache shows
-        cases.append(_bias_gelu_case(rng, (33, 65), dtype, transpose=True))
-    return cases
+    return cases.standard(
+        _bias_gelu_case,
+        BIAS_GELU_SHAPES,
+        CPU_DTYPES,
+        rng,
+        again=(129, 1000),
+        strided_spec=(33, 65),
+    )
 
 
 # Tasks 2, 3 and 5: softmax
 
 
-def _softmax_case(rng, shape, dtype, kind="random", transpose=False, block=None):
+def _softmax_case(rng, shape, dtype, kind="random", strided=False, block=None):
     from kernels.softmax import softmax_ref
 
-    x, seed = _draw(rng, shape, dtype, scale=4.0, transpose=transpose)
+    x, seed = cases.draw(rng, shape, scale=4.0)
     extra = ""
     if kind == "large":  # exp(1000) overflows float32: only the max subtraction saves it
         x, extra = x * 25.0 + 1000.0, ", logits around 1000"
@@ -91,33 +68,38 @@ def _softmax_case(rng, shape, dtype, kind="random", transpose=False, block=None)
         x, extra = x.sort(dim=-1).values, ", each row sorted ascending"
     elif kind == "masked":  # a padded row: whole blocks of -inf before the first value
         masked = shape[-1] * 3 // 7
-        x = x.clone()
         x[..., :masked] = float("-inf")
         extra = f", the first {masked} columns -inf"
     x = x.to(dtype)
+    x = cases.strided(x) if strided else x
     args = (x,) if block is None else (x, block)
     extra += "" if block is None else f", block {block}"
-    label = _label(x, dtype, seed, extra)
+    label = cases.label(x, dtype, seed, extra)
     return Case(args, label, expected=softmax_ref(x.double()), dtype=dtype)
 
 
 SOFTMAX_SHAPES = ((1, 1), (3, 127), (5, 129), (3, 1000), (2, 4097), (2, 3, 129))
+SOFTMAX_EXTRA = (
+    ((4, 300), {"kind": "large"}),
+    ((4, 300), {"kind": "negative"}),
+    ((3, 300), {"kind": "masked"}),
+)
 
 
 def _softmax_cases(rng):
-    cases = []
-    for dtype in CPU_DTYPES:
-        cases += [_softmax_case(rng, shape, dtype) for shape in SOFTMAX_SHAPES]
-        cases.append(_softmax_case(rng, (3, 1000), dtype))  # new data: a cache shows
-        cases.append(_softmax_case(rng, (4, 300), dtype, kind="large"))
-        cases.append(_softmax_case(rng, (4, 300), dtype, kind="negative"))
-        cases.append(_softmax_case(rng, (3, 300), dtype, kind="masked"))
-        cases.append(_softmax_case(rng, (33, 65), dtype, transpose=True))
-    return cases
+    return cases.standard(
+        _softmax_case,
+        SOFTMAX_SHAPES,
+        CPU_DTYPES,
+        rng,
+        again=(3, 1000),
+        extra=SOFTMAX_EXTRA,
+        strided_spec=(33, 65),
+    )
 
 
 # (shape, block): rows of one block, of several, and a last block of a single column
-STREAMED_SHAPES = (
+STREAMED_SPECS = (
     ((1, 1), 16),
     ((3, 127), 32),
     ((5, 129), 64),
@@ -125,83 +107,89 @@ STREAMED_SHAPES = (
     ((2, 4097), 512),
     ((2, 3, 300), 64),
 )
+STREAMED_EXTRA = (
+    (((4, 1000), 128), {"kind": "ascending"}),
+    (((4, 300), 64), {"kind": "large"}),
+    (((4, 300), 64), {"kind": "negative"}),
+    (((3, 700), 128), {"kind": "masked"}),
+)
+
+
+def _streamed_case(rng, spec, dtype, **options):
+    shape, block = spec
+    return _softmax_case(rng, shape, dtype, block=block, **options)
 
 
 def _softmax_streamed_cases(rng):
-    cases = []
-    for dtype in CPU_DTYPES:
-        for shape, block in STREAMED_SHAPES:
-            cases.append(_softmax_case(rng, shape, dtype, block=block))
-        cases.append(_softmax_case(rng, (3, 1000), dtype, block=128))  # new data
-        cases.append(_softmax_case(rng, (4, 1000), dtype, kind="ascending", block=128))
-        cases.append(_softmax_case(rng, (4, 300), dtype, kind="large", block=64))
-        cases.append(_softmax_case(rng, (4, 300), dtype, kind="negative", block=64))
-        cases.append(_softmax_case(rng, (3, 700), dtype, kind="masked", block=128))
-        cases.append(_softmax_case(rng, (6, 97), dtype, transpose=True, block=32))
+    drawn = cases.standard(
+        _streamed_case,
+        STREAMED_SPECS,
+        CPU_DTYPES,
+        rng,
+        again=((3, 1000), 128),
+        extra=STREAMED_EXTRA,
+        strided_spec=((6, 97), 32),
+    )
     # longer than any Triton block can be: only a kernel that streams the row gets through
-    cases.append(_softmax_case(rng, (1, LONG_ROW), torch.float32, block=4096))
-    return cases
+    return drawn + [_softmax_case(rng, (1, LONG_ROW), torch.float32, block=4096)]
 
 
 def _softmax_gpu_cases(rng):
-    cases = [
-        _softmax_case(rng, shape, torch.bfloat16)
-        for shape in ((1, 1), (3, 127), (2, 4097), (2, 3, 129))
+    bf16 = torch.bfloat16
+    drawn = [
+        _softmax_case(rng, shape, bf16) for shape in ((1, 1), (3, 127), (2, 4097), (2, 3, 129))
     ]
-    cases.append(_softmax_case(rng, (4, 300), torch.bfloat16, kind="large"))
-    big = {"random": (16384, 8192), "dtype": torch.float32, "seed": rng.randrange(2**31)}
-    cases.append(Case((big,), label="shape (16384, 8192), float32, timed", action="time"))
-    return cases
-
-
-def _check_softmax_gpu(case: Case, out) -> str | None:
-    if case.action != "time":
-        return _values("reduction")(case, out)
-    if not isinstance(out, dict) or not out.get("ms", 0) > 0:
-        return "no timing came back"
-    fraction = out["copy_ms"] / out["ms"]
-    if fraction < MIN_COPY_FRACTION:
-        return (
-            f"took {out['ms']:.3f} ms, {fraction:.0%} of the speed of torch copying the same "
-            f"tensor ({out['copy_ms']:.3f} ms); a fused softmax reads and writes each element "
-            f"once, as the copy does, and should reach {MIN_COPY_FRACTION:.0%} of it"
-        )
-    return None
+    drawn.append(_softmax_case(rng, (4, 300), bf16, kind="large"))
+    drawn.append(_softmax_case(rng, (33, 65), bf16, strided=True))
+    big = cases.big_random(rng, (16384, 8192), torch.float32)
+    timed = cases.timed(
+        (big,),
+        "shape (16384, 8192), float32, timed",
+        against="copy",
+        min_fraction=MIN_COPY_FRACTION,
+        why="a fused softmax reads and writes each element once, as the copy does",
+    )
+    return drawn + [timed]
 
 
 # Task 4: RMSNorm
 
 
-def _rms_norm_case(rng, shape, dtype, scale=2.0, eps=None, transpose=False, extra=""):
+def _rms_norm_case(rng, shape, dtype, scale=2.0, eps=None, strided=False, extra=""):
     from kernels.norm import rms_norm_ref
 
-    x, seed = _draw(rng, shape, dtype, scale=scale, transpose=transpose)
-    weight, _ = _draw(rng, shape[-1:], dtype)
-    x, weight = x.to(dtype), weight.to(dtype)
+    x, seed = cases.draw(rng, shape, dtype, scale=scale)
+    weight, _ = cases.draw(rng, shape[-1:], dtype)
+    x = cases.strided(x) if strided else x
     eps = eps if eps is not None else rng.choice((1e-6, 1e-5))
-    label = _label(x, dtype, seed, f"{extra}, eps {eps:g}")
+    label = cases.label(x, dtype, seed, f"{extra}, eps {eps:g}")
     expected = rms_norm_ref(x.double(), weight.double(), eps)
     return Case((x, weight), label, expected=expected, dtype=dtype, kwargs={"eps": eps})
 
 
 RMS_NORM_SHAPES = ((1, 1), (3, 127), (17, 33), (2, 5, 1000), (3, 4097))
+RMS_NORM_EXTRA = (
+    # squares of 300 overflow float16 (max 65504): only float32 accumulation gets through
+    ((4, 1000), {"scale": 300.0, "extra": ", values ~300"}),
+    # mean(x^2) ~ 1e-4 next to eps = 0.01: eps sets the scale
+    ((3, 300), {"scale": 0.01, "eps": 0.01}),
+)
 
 
 def _rms_norm_cases(rng):
-    cases = []
-    for dtype in CPU_DTYPES:
-        cases += [_rms_norm_case(rng, shape, dtype) for shape in RMS_NORM_SHAPES]
-        cases.append(_rms_norm_case(rng, (3, 4097), dtype))  # new data: a cache shows
-        # squares of 300 overflow float16 (max 65504): only float32 accumulation gets through
-        cases.append(_rms_norm_case(rng, (4, 1000), dtype, scale=300.0, extra=", values ~300"))
-        # mean(x^2) ~ 1e-4 next to eps = 0.01: eps sets the scale
-        cases.append(_rms_norm_case(rng, (3, 300), dtype, scale=0.01, eps=0.01))
-        cases.append(_rms_norm_case(rng, (40, 129), dtype, transpose=True))
-    return cases
+    return cases.standard(
+        _rms_norm_case,
+        RMS_NORM_SHAPES,
+        CPU_DTYPES,
+        rng,
+        again=(3, 4097),
+        extra=RMS_NORM_EXTRA,
+        strided_spec=(40, 129),
+    )
 
 
 TASKS = [
-    Task(
+    kernel_task(
         name="bias_gelu",
         function="bias_gelu",
         points=3,
@@ -209,22 +197,20 @@ TASKS = [
         hint="z = x + bias[column] in float32, then 0.5 * z * (1 + erf(z / sqrt(2))), "
         "stored in x's dtype",
         cases=_bias_gelu_cases,
-        check=_values("elementwise"),
-        **KERNEL_DEFENCES,
+        check=cases.values("elementwise"),
         forbidden_ops=GELU_OPS,
     ),
-    Task(
+    kernel_task(
         name="softmax",
         function="softmax",
         points=3,
         summary="one row per program: odd row lengths, large logits, -inf, fp32 and fp16",
         hint="masked lanes load -inf; subtract the row max before exp; compute in float32",
         cases=_softmax_cases,
-        check=_values("reduction"),
-        **KERNEL_DEFENCES,
+        check=cases.values("reduction"),
         forbidden_ops=SOFTMAX_OPS,
     ),
-    Task(
+    kernel_task(
         name="softmax_streamed",
         function="softmax_streamed",
         points=3,
@@ -232,30 +218,27 @@ TASKS = [
         hint="keep a running max and running sums, rescale the sums by exp(m_old - m_new), "
         "and guard the rescale while the max is still -inf",
         cases=_softmax_streamed_cases,
-        check=_values("reduction"),
-        **KERNEL_DEFENCES,
+        check=cases.values("reduction"),
         forbidden_ops=SOFTMAX_OPS,
     ),
-    Task(
+    kernel_task(
         name="rms_norm",
         function="rms_norm",
         points=3,
         summary="RMSNorm forward, one row per program, float32 accumulation, fp32 and fp16",
         hint="x * rsqrt(mean(x * x) + eps) * weight, with x upcast to float32 before squaring",
         cases=_rms_norm_cases,
-        check=_values("reduction"),
-        **KERNEL_DEFENCES,
+        check=cases.values("reduction"),
         forbidden_ops=RMS_NORM_OPS,
     ),
-    Task(
+    kernel_task(
         name="softmax_gpu",
         function="softmax",
         points=2,
         summary="on a GPU: bf16 values, and at least half a copy's speed on 16384 x 8192",
         hint="load bf16, compute in float32, store bf16; one read and one write per element",
         cases=_softmax_gpu_cases,
-        check=_check_softmax_gpu,
-        **KERNEL_DEFENCES,
+        check=cases.values("reduction"),
         forbidden_ops=SOFTMAX_OPS,
         needs_gpu=True,
         exclusive=True,

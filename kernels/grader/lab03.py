@@ -5,13 +5,13 @@ program order built tile by tile, every product in fp64 (`kernels.matmul.matmul_
 torch's own same-dtype product beside it for the rule "at most twice torch's error".
 """
 
-from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from kernels import check
-from kernels.grader.lab01 import _log_uniform, _numbers
-from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
+from kernels.grader import cases
+from kernels.grader.cases import log_uniform
+from kernels.grader.tasks import Case, Task, kernel_task
 from kernels.matmul import matmul_ref
 
 NAME = "lab03_matmul"
@@ -45,25 +45,20 @@ def tile_order_ref(tiles_m: int, tiles_n: int, group_m: int) -> torch.Tensor:
     return torch.tensor(order, dtype=torch.int32)
 
 
-@dataclass
-class MatmulCase(Case):
-    baseline: torch.Tensor | None = None  # torch's own result in the inputs' dtype
-
-
 def _napkin_cases(rng):
-    cases = []
-    while len(cases) < 12:
-        m, n, k = (round(_log_uniform(rng, 1, 16384)) for _ in range(3))
+    drawn = []
+    while len(drawn) < 12:
+        m, n, k = (round(log_uniform(rng, 1, 16384)) for _ in range(3))
         width = rng.choice((1, 2, 4))
-        peak, bandwidth = _log_uniform(rng, 1.0, 2000.0), _log_uniform(rng, 50.0, 8000.0)
+        peak, bandwidth = log_uniform(rng, 1.0, 2000.0), log_uniform(rng, 50.0, 8000.0)
         args = (m, n, k, width, peak, bandwidth)
         flops, min_bytes, intensity, regime = napkin_ref(*args)
         balance = intensity / (peak * 1e3 / bandwidth)
-        if 0.8 < balance < 1.25 or (regime == "compute-bound") != (len(cases) % 2 == 0):
+        if 0.8 < balance < 1.25 or (regime == "compute-bound") != (len(drawn) % 2 == 0):
             continue  # too close to the ridge to call, or not the regime this case's turn wants
         label = f"matmul_napkin({m}, {n}, {k}, {width}, {peak:.6g}, {bandwidth:.6g})"
-        cases.append(Case(args, label=label, expected=[flops, min_bytes, intensity, regime]))
-    return cases
+        drawn.append(Case(args, label=label, expected=[flops, min_bytes, intensity, regime]))
+    return drawn
 
 
 # (tiles_m, tiles_n, group_m): chapter 3's 6 x 8 example first, then bands that do not divide
@@ -99,25 +94,28 @@ def _check_tile_order(case: Case, out) -> str | None:
     return f"program {p} computed tile {got}, expected {want} (pid_m, pid_n)"
 
 
-def _matmul_case(rng, m, n, k, dtype, bias=False, relu=False, transposed=False):
-    """Inputs of magnitude about 1 whatever k; centred (half the outputs negative) for ReLU."""
-    seed, scale, centred = rng.randrange(2**31), k**-0.25, bias or relu
+def _matmul_case(rng, shape, dtype, bias=False, relu=False, strided=False):
+    """Inputs of magnitude about 1 whatever k; centred (half the outputs negative) for ReLU.
+    Strided: a and b are transposed, strided views (neither row- nor column-major memory)."""
+    m, n, k = shape
+    seed, scale, centred = cases.new_seed(rng), k**-0.25, bias or relu
 
-    def draw(shape, offset, scale=scale):
-        x = check.random_tensor(shape, torch.float32, seed=seed + offset, device="cpu", scale=scale)
+    def draw(made, offset, scale=scale):
+        x = cases.tensor(made, seed + offset, scale=scale)
         return (x - 0.5 * scale if centred else x).to(dtype)
 
-    a = draw((k, m), 0).t() if transposed else draw((m, k), 0)
-    b = draw((n, k), 1).t() if transposed else draw((k, n), 1)
+    def operand(rows, cols, offset):
+        if strided:
+            return cases.strided(draw((cols, rows), offset)).t()
+        return draw((rows, cols), offset)
+
+    a, b = operand(m, k, 0), operand(k, n, 1)
     kwargs = {"bias": draw((n,), 2, scale=1.0)} if bias else {}
     if relu:
         kwargs["relu"] = True
     epilogue = "".join((" + bias" if bias else "", ", then ReLU" if relu else ""))
-    layout = " (both non-contiguous: transposed views)" if transposed else ""
-    label = (
-        f"a ({m}, {k}) @ b ({k}, {n}){epilogue}{layout}, "
-        f"{str(dtype).removeprefix('torch.')}, seed {seed}"
-    )
+    layout = " (both non-contiguous: strided, transposed views)" if strided else ""
+    label = f"a ({m}, {k}) @ b ({k}, {n}){epilogue}{layout}, {cases.dtype_name(dtype)}, seed {seed}"
     expected = matmul_ref(
         a.double(), b.double(), kwargs["bias"].double() if bias else None, "relu" if relu else None
     )
@@ -125,7 +123,7 @@ def _matmul_case(rng, m, n, k, dtype, bias=False, relu=False, transposed=False):
     if dtype != torch.float32:  # fp32 must be IEEE: its tolerance, not torch's error, applies
         baseline = a @ b + kwargs["bias"] if bias else a @ b
         baseline = torch.relu(baseline) if relu else baseline
-    return MatmulCase(
+    return Case(
         (a, b), label=label, expected=expected, dtype=dtype, kwargs=kwargs, baseline=baseline
     )
 
@@ -137,77 +135,56 @@ MATMUL_SHAPES = (
     (95, 97, 63),
 )  # fmt: skip
 BIAS_SHAPES = ((1, 1, 1), (3, 5, 7), (1, 96, 65), (33, 31, 97), (95, 97, 63))
+BIAS_EXTRA = (((33, 65, 17), {"relu": False}), ((47, 33, 9), {"bias": False}))
 
 
 def _tiled_matmul_cases(rng):
-    cases = []
-    for dtype in DTYPES:
-        cases += [_matmul_case(rng, *shape, dtype) for shape in MATMUL_SHAPES]
-        # the same shape again with new data: a result cached across calls shows
-        cases.append(_matmul_case(rng, *MATMUL_SHAPES[-1], dtype))
-        cases.append(_matmul_case(rng, 65, 47, 33, dtype, transposed=True))
-    return cases
+    return cases.standard(
+        _matmul_case, MATMUL_SHAPES, DTYPES, rng, again=MATMUL_SHAPES[-1], strided_spec=(65, 47, 33)
+    )
 
 
 def _bias_relu_cases(rng):
-    cases = []
-    for dtype in DTYPES:
-        cases += [_matmul_case(rng, *shape, dtype, bias=True, relu=True) for shape in BIAS_SHAPES]
-        cases.append(_matmul_case(rng, 33, 65, 17, dtype, bias=True))
-        cases.append(_matmul_case(rng, 47, 33, 9, dtype, relu=True))
-        cases.append(_matmul_case(rng, 65, 47, 33, dtype, bias=True, relu=True, transposed=True))
-    return cases
+    return cases.standard(
+        partial(_matmul_case, bias=True, relu=True),
+        BIAS_SHAPES,
+        DTYPES,
+        rng,
+        again=None,
+        extra=BIAS_EXTRA,
+        strided_spec=(65, 47, 33),
+    )
 
 
 def _gpu_cases(rng):
     bf16 = torch.bfloat16
-    cases = [
-        _matmul_case(rng, *shape, bf16)
+    drawn = [
+        _matmul_case(rng, shape, bf16)
         for shape in ((1, 1, 1), (1000, 1003, 517), (1, 2048, 2048), (257, 129, 4097))
     ]
-    cases.append(_matmul_case(rng, 1000, 1003, 517, bf16, bias=True, relu=True))
-    cases.append(_matmul_case(rng, 129, 257, 1025, bf16, bias=True, relu=True, transposed=True))
-    operands = [
-        {"random": (SPEED_N, SPEED_N), "dtype": bf16, "seed": rng.randrange(2**31)}
-        for _ in range(2)
-    ]
-    label = f"bfloat16 {SPEED_N}^3, timed against torch.matmul (cuBLAS)"
-    cases.append(MatmulCase(tuple(operands), label=label, action="time", timed_against="matmul"))
-    return cases
-
-
-def _check_speed(out) -> str | None:
-    if not isinstance(out, dict) or not out.get("ms", 0) > 0 or not out.get("matmul_ms", 0) > 0:
-        return "no timing came back"
-    fraction = out["matmul_ms"] / out["ms"]
-    if fraction < MIN_CUBLAS_FRACTION:
-        tflops = 2 * SPEED_N**3 / (out["ms"] * 1e9)
-        return (
-            f"took {out['ms']:.3f} ms ({tflops:.0f} TFLOP/s), {fraction:.2f}x the speed of cuBLAS "
-            f"({out['matmul_ms']:.3f} ms); {MIN_CUBLAS_FRACTION}x earns the points"
-        )
-    return None
-
-
-def _check_matmul(case: Case, out) -> str | None:
-    if case.action == "time":
-        return _check_speed(out)
-    result = check.compare(
-        out, case.expected, op="matmul", dtype=case.dtype, baseline=case.baseline
+    drawn.append(_matmul_case(rng, (1000, 1003, 517), bf16, bias=True, relu=True))
+    drawn.append(_matmul_case(rng, (129, 257, 1025), bf16, bias=True, relu=True, strided=True))
+    operands = tuple(cases.big_random(rng, (SPEED_N, SPEED_N), bf16) for _ in range(2))
+    timed = cases.timed(
+        operands,
+        f"bfloat16 {SPEED_N}^3, timed against torch.matmul (cuBLAS)",
+        against="matmul",
+        min_fraction=MIN_CUBLAS_FRACTION,
+        why="a tiled kernel with large tiles and pipelined loads gets there",
+        rate=lambda ms: f"{2 * SPEED_N**3 / (ms * 1e9):.0f} TFLOP/s",
     )
-    return None if result.ok else f"wrong values: {result.message}"
+    return drawn + [timed]
 
 
-def _kernel_task(**fields) -> Task:
-    return Task(
-        function="tiled_matmul",
-        check=_check_matmul,
-        **KERNEL_DEFENCES,
-        forbidden_ops=MATMUL_OPS,
-        forbidden_names=MATMUL_NAMES,
-        time_limit=180.0,  # on a GPU, each new specialisation of the kernel compiles first
-        **fields,
-    )
+# The three kernel tasks share the learner's function, its check and what it may not call.
+matmul_task = partial(
+    kernel_task,
+    function="tiled_matmul",
+    check=cases.values("matmul"),
+    forbidden_ops=MATMUL_OPS,
+    forbidden_names=MATMUL_NAMES,
+    time_limit=180.0,  # on a GPU, each new specialisation of the kernel compiles first
+)
 
 
 TASKS = [
@@ -219,9 +196,9 @@ TASKS = [
         hint="2mnk FLOPs; a, b and c each moved once; compute-bound when the intensity reaches "
         "peak / bandwidth",
         cases=_napkin_cases,
-        check=lambda case, out: _numbers(case, out, ("flops", "min_bytes", "intensity", "regime")),
+        check=cases.numbers(("flops", "min_bytes", "intensity", "regime")),
     ),
-    Task(
+    kernel_task(
         name="grouped_order",
         function="tile_order",
         points=2,
@@ -231,9 +208,8 @@ TASKS = [
         "the last band may be shorter",
         cases=_tile_order_cases,
         check=_check_tile_order,
-        **KERNEL_DEFENCES,
     ),
-    _kernel_task(
+    matmul_task(
         name="tiled_matmul",
         points=4,
         summary="a tiled Triton matmul: odd shapes, K = 1, transposed inputs, fp32 and fp16",
@@ -241,7 +217,7 @@ TASKS = [
         'needs tl.dot(..., input_precision="ieee")',
         cases=_tiled_matmul_cases,
     ),
-    _kernel_task(
+    matmul_task(
         name="bias_relu",
         points=2,
         summary="the fused epilogue: relu(a @ b + bias) on odd shapes, fp32 and fp16",
@@ -249,7 +225,7 @@ TASKS = [
         "the one store",
         cases=_bias_relu_cases,
     ),
-    _kernel_task(
+    matmul_task(
         name="tiled_matmul_gpu",
         points=2,
         summary=f"on a GPU: bf16 values, and at least {MIN_CUBLAS_FRACTION}x cuBLAS's speed at "

@@ -7,12 +7,14 @@ block, the last key block and the causal diagonal are all exercised.
 """
 
 import math
+from functools import partial
 
 import torch
 
 from kernels import check
 from kernels.attention import attention_ref
-from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
+from kernels.grader import cases
+from kernels.grader.tasks import Case, Task, kernel_task
 
 NAME = "lab04_attention"
 # The torch ops that are attention, or its pieces: calling them outside a kernel earns nothing.
@@ -42,29 +44,29 @@ def _state(rng, rows, head_dim, seed, scale):
             "initial state (m = -inf)",
         )
     n = rng.randint(1, 40)
-    scores = check.random_tensor((rows, n), seed=seed, device="cpu", scale=scale)
-    values = check.random_tensor((n, head_dim), seed=seed + 1, device="cpu")
+    scores = cases.tensor((rows, n), seed, scale=scale)
+    values = cases.tensor((n, head_dim), seed + 1)
     m0, l0, acc0 = torch.full((rows,), -math.inf), torch.zeros(rows), torch.zeros(rows, head_dim)
     m, l, acc = online_softmax_update_ref(m0, l0, acc0, scores, values)
     return m.float(), l.float(), acc.float(), f"state after {n} keys"
 
 
 def _online_softmax_cases(rng):
-    cases = []
+    drawn = []
     for i in range(12):
         rows, n, head_dim = rng.choice((1, 3, 16, 17)), rng.choice((1, 5, 16, 33)), 16
-        seed = rng.randrange(2**31)
+        seed = cases.new_seed(rng)
         scale = (1.0, 10.0, 300.0)[i % 3]  # 300: exp() of the raw scores overflows fp32
         m, l, acc, state = _state(rng, rows, head_dim, seed, scale)
         shift = rng.choice((-2.0, 0.0, 2.0)) * scale  # the new block's max above or below m
-        scores = check.random_tensor((rows, n), seed=seed + 2, device="cpu", scale=scale) + shift
+        scores = cases.tensor((rows, n), seed + 2, scale=scale) + shift
         if i % 4 == 3 and n > 1:  # masked keys, as a kernel's last block has them
             scores[:, n // 2 :] = -math.inf
-        values = check.random_tensor((n, head_dim), seed=seed + 3, device="cpu")
+        values = cases.tensor((n, head_dim), seed + 3)
         args = (m, l, acc, scores, values)
         label = f"{state}, scores ({rows}, {n}) of scale {scale:g} shifted {shift:+g}, seed {seed}"
-        cases.append(Case(args, label=label, expected=online_softmax_update_ref(*args)))
-    return cases
+        drawn.append(Case(args, label=label, expected=online_softmax_update_ref(*args)))
+    return drawn
 
 
 def _check_online_softmax(case: Case, out) -> str | None:
@@ -88,48 +90,51 @@ CPU_SHAPES = ((1, 1, 1, 1, 16), (1, 2, 17, 17, 16), (2, 1, 33, 33, 32), (1, 2, 5
 GPU_SHAPES = ((2, 3, 257, 257, 64), (1, 2, 1, 1000, 128), (1, 4, 129, 300, 128))
 
 
-def _tensor(shape, dtype, seed, transpose):
-    """A (B, H, S, D) tensor, or a non-contiguous (B, H, S, D) view of a (B, S, H, D) one."""
-    if not transpose:
-        return check.random_tensor(shape, dtype, seed=seed, device="cpu")
-    B, H, S, D = shape
-    return check.random_tensor((B, S, H, D), dtype, seed=seed, device="cpu").transpose(1, 2)
-
-
-def _attention_case(rng, shape, dtype, causal, transpose=False):
+def _attention_case(rng, shape, dtype, causal, strided=False):
+    """q, k and v of one (B, H, Sq, Sk, D) shape; strided: each a view of every other element
+    of its head dimension."""
     B, H, Sq, Sk, D = shape
-    seed = rng.randrange(2**31)
-    q = _tensor((B, H, Sq, D), dtype, seed, transpose)
-    k = _tensor((B, H, Sk, D), dtype, seed + 1, transpose)
-    v = _tensor((B, H, Sk, D), dtype, seed + 2, transpose)
+    seed = cases.new_seed(rng)
+    q, k, v = (
+        cases.tensor(made, seed + offset, dtype)
+        for offset, made in enumerate(((B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D)))
+    )
+    if strided:
+        q, k, v = cases.strided(q), cases.strided(k), cases.strided(v)
     expected = attention_ref(q.double(), k.double(), v.double(), causal=causal)
-    kind = ", non-contiguous" if transpose else ""
+    kind = ", non-contiguous" if strided else ""
     label = (
         f"q {tuple(q.shape)}, k and v {tuple(k.shape)}{kind}, "
-        f"{str(dtype).removeprefix('torch.')}, causal={causal}, seed {seed}"
+        f"{cases.dtype_name(dtype)}, causal={causal}, seed {seed}"
     )
     return Case((q, k, v), label, expected, dtype, kwargs={"causal": causal})
 
 
-def _attention_cases(rng, causal, dtypes=(torch.float32, torch.float16), shapes=CPU_SHAPES):
-    cases = []
-    for dtype in dtypes:
-        for shape in shapes:
-            cases.append(_attention_case(rng, shape, dtype, causal))
-        cases.append(_attention_case(rng, shapes[2], dtype, causal))  # new data: no cache
-        cases.append(_attention_case(rng, shapes[3], dtype, causal, transpose=True))
-    return cases
+def _attention_cases(rng, causal):
+    return cases.standard(
+        partial(_attention_case, causal=causal),
+        CPU_SHAPES,
+        (torch.float32, torch.float16),
+        rng,
+        again=CPU_SHAPES[2],
+        strided_spec=CPU_SHAPES[3],
+    )
 
 
-def _check_attention(case: Case, out) -> str | None:
-    result = check.compare(out, case.expected, op="attention", dtype=case.dtype)
-    return None if result.ok else f"wrong values: {result.message}"
+def _attention_gpu_cases(rng):
+    drawn = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            drawn += [_attention_case(rng, shape, dtype, causal) for shape in GPU_SHAPES]
+        drawn.append(_attention_case(rng, GPU_SHAPES[2], dtype, True, strided=True))
+    return drawn
 
 
-KERNEL_TASK = dict(
+# The three kernel tasks share the learner's function, its check and the torch ops they forbid.
+attention_task = partial(
+    kernel_task,
     function="attention",
-    check=_check_attention,
-    **KERNEL_DEFENCES,
+    check=cases.values("attention"),
     forbidden_ops=ATTENTION_OPS,
 )
 
@@ -144,34 +149,26 @@ TASKS = [
         check=_check_online_softmax,
         forbidden_ops=SOFTMAX_OPS,
     ),
-    Task(
+    attention_task(
         name="attention",
         summary="the fused forward, no mask: odd Sq <= Sk, D 16 and 32, fp32 and fp16",
         hint="mask the last query rows and the last keys (scores -inf); divide by l at the end",
-        cases=lambda rng: _attention_cases(rng, causal=False),
+        cases=partial(_attention_cases, causal=False),
         points=4,
-        **KERNEL_TASK,
     ),
-    Task(
+    attention_task(
         name="attention_causal",
         summary="the same kernel with causal=True, the mask aligned to the end when Sq < Sk",
         hint="query i sees key j when j <= i + Sk - Sq",
-        cases=lambda rng: _attention_cases(rng, causal=True),
+        cases=partial(_attention_cases, causal=True),
         points=3,
-        **KERNEL_TASK,
     ),
-    Task(
+    attention_task(
         name="attention_gpu",
         summary="on a GPU: compiled, bf16 and fp16, D 64 and 128, causal and not",
         hint="compute in fp32 inside the kernel; feed tl.dot the inputs' dtype",
-        cases=lambda rng: [
-            _attention_case(rng, shape, dtype, causal)
-            for dtype in (torch.bfloat16, torch.float16)
-            for shape in GPU_SHAPES
-            for causal in (False, True)
-        ],
+        cases=_attention_gpu_cases,
         points=2,
         needs_gpu=True,
-        **KERNEL_TASK,
     ),
 ]

@@ -1,20 +1,24 @@
 """Lab 5, batch invariance: its tasks, the cases the grader draws, and the references.
 
 Invariance is checked the way Chapter 5's harness checks it, in the grader's process: the
-child returns f(X) and f(X[:B]) for several B, and the grader compares them bit for bit
-(`kernels.batch_invariant.harness`), beside the values against a float64 reference
-(`kernels.check`).
+child returns f(X) and f(X[:B]) for several B, and once every value is right against the
+course's references in float64 (`kernels.batch_invariant.rms_norm_ref` and `matmul_ref`,
+through `kernels.check`), the task's group check compares them bit for bit
+(`kernels.batch_invariant.harness`).
 The first task's ops are built in the child from a description (`variant_op`): the grader
 builds the same op from the same description and finds the answer itself.
 """
 
 import bisect
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from kernels import check
+from kernels.batch_invariant import matmul_ref, rms_norm_ref
 from kernels.batch_invariant.harness import InvarianceReport
-from kernels.grader.tasks import KERNEL_DEFENCES, Case, Task
+from kernels.grader import cases
+from kernels.grader.tasks import Case, Task, kernel_task
 
 NAME = "lab05_batch_invariance"
 OP_K, OP_N = 32, 8  # the hidden ops' weight: x (B, OP_K) @ w (OP_K, OP_N)
@@ -45,7 +49,7 @@ def _split_k(x: torch.Tensor, w: torch.Tensor, pieces: int) -> torch.Tensor:
 def variant_op(seed: int, switches: list, splits: list):
     """A split-K-style matmul x (B, OP_K) @ w -> (B, OP_N) that picks its split from the
     batch size, as libraries do: splits[i] pieces while B < switches[i], then splits[-1]."""
-    w = check.random_tensor((OP_K, OP_N), torch.float32, seed=seed, device="cpu")
+    w = cases.tensor((OP_K, OP_N), seed)
 
     def op(x: torch.Tensor) -> torch.Tensor:
         pieces = splits[bisect.bisect_right(switches, x.shape[0])]
@@ -78,18 +82,20 @@ LADDERS = (
 
 
 def _first_variant_cases(rng):
-    cases = []
+    drawn = []
     for switches, splits in LADDERS:
-        seed, bmax = rng.randrange(2**31), rng.randint(64, 160)
+        seed, bmax = cases.new_seed(rng), rng.randint(64, 160)
         shift = rng.randint(0, 9) if switches and switches[0] > 2 else 0
         switches = [s + shift for s in switches]
-        x = check.random_tensor((bmax, OP_K), torch.float32, seed=seed + 1, device="cpu")
-        spec = {"builder": "kernels.grader.lab05:variant_op",
-                "kwargs": {"seed": seed, "switches": switches, "splits": splits}}  # fmt: skip
+        x = cases.tensor((bmax, OP_K), seed + 1)
+        spec = {
+            "builder": "kernels.grader.lab05:variant_op",
+            "kwargs": {"seed": seed, "switches": switches, "splits": splits},
+        }
         expected = first_variant_batch_ref(variant_op(seed, switches, splits), x)
         label = f"a hidden op on x of shape {tuple(x.shape)}, seed {seed}"
-        cases.append(Case((spec, x), label=label, expected=[expected]))
-    return cases
+        drawn.append(Case((spec, x), label=label, expected=[expected]))
+    return drawn
 
 
 def _check_first_variant(case: Case, out) -> str | None:
@@ -104,24 +110,35 @@ def _check_first_variant(case: Case, out) -> str | None:
 # Tasks 2 and 3: a function checked for values and for bitwise invariance in B
 
 
+@dataclass
 class PrefixCase(Case):
-    """One call in a group: the group's first case is the full batch X; each later one is X[:B],
-    whose output must equal the first one's [:B] bit for bit."""
+    """One call in a group (`Case.group`): the group's first case is the full batch X; each
+    later one is X[:batch], whose output must equal the first one's [:batch] bit for bit."""
 
-    def __init__(self, *args, group: dict, batch: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.group, self.batch = group, batch
+    batch: int | None = None  # None for the full batch
 
 
 def _prefix_group(x, rest, label, expected_fn, dtype, sizes):
-    group, cases = {}, []
-    cases.append(PrefixCase((x, *rest), label=f"{label}, full batch of {x.shape[0]}",
-                            expected=expected_fn(x), dtype=dtype, group=group))  # fmt: skip
-    for b in sizes:
-        cases.append(PrefixCase((x[:b], *rest), label=f"{label}, first {b} rows",
-                                expected=expected_fn(x[:b]), dtype=dtype, group=group,
-                                batch=b))  # fmt: skip
-    return cases
+    """The full batch x, then x[:b] for each b in sizes; the label is the group's key (it names
+    the seed, so two groups with one label hold the same data)."""
+    full = PrefixCase(
+        (x, *rest),
+        label=f"{label}, full batch of {x.shape[0]}",
+        expected=expected_fn(x),
+        dtype=dtype,
+        group=label,
+    )
+    return [full] + [
+        PrefixCase(
+            (x[:b], *rest),
+            label=f"{label}, first {b} rows",
+            expected=expected_fn(x[:b]),
+            dtype=dtype,
+            group=label,
+            batch=b,
+        )
+        for b in sizes
+    ]
 
 
 def _prefix_sizes(bmax, rng, extra=()):
@@ -129,82 +146,80 @@ def _prefix_sizes(bmax, rng, extra=()):
     return sorted(b for b in sizes if 1 <= b < bmax)
 
 
-def _values_and_bits(op_class):
-    def check_case(case: PrefixCase, out) -> str | None:
-        result = check.compare(out, case.expected, op=op_class, dtype=case.dtype)
-        if not result.ok:
-            return f"wrong values: {result.message}"
+def check_prefixes(drawn, outputs) -> tuple | None:
+    """(index, problem) of the first f(X[:B]) that is not f(X)[:B] bit for bit, or None. Runs
+    once every output is right, so each is a tensor of the expected shape and dtype."""
+    full = {}
+    for case, out in zip(drawn, outputs, strict=True):
         if case.batch is None:
-            case.group["full"] = out
-            return None
-        full = case.group["full"][: case.batch]
+            full[case.group] = out
+    for i, (case, out) in enumerate(zip(drawn, outputs, strict=True)):
+        if case.batch is None:
+            continue
         report = InvarianceReport()
-        report.compare(f"B={case.batch}", out, full)
+        report.compare(f"B={case.batch}", out, full[case.group][: case.batch])
         if not report.ok:
-            return (
+            return i, (
                 f"not batch-invariant: f(X[:{case.batch}]) differs from f(X)[:{case.batch}] "
                 f"(max |diff| {report.max_abs_diff:.3g}, {report.max_ulp} ULP)"
             )
-        return None
-
-    return check_case
-
-
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
-
-
-def rms_norm_ref(x, weight, eps):
-    x = x.double()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return None
 
 
 RMS_COLS = (1, 3, 127, 129, 1000, 4097)
+RMS_EPS = 1e-6
 
 
-def _rms_norm_cases(rng, dtypes=(torch.float32, torch.float16), cols=RMS_COLS, bmax=(20, 40)):
-    cases, eps = [], 1e-6
-    for dtype in dtypes:
-        for n in cols:
-            seed, rows = rng.randrange(2**31), rng.randint(*bmax)
-            scale = rng.choice((1.0, 10.0))
-            x = check.random_tensor((rows, n), dtype, seed=seed, device="cpu", scale=scale)
-            w = check.random_tensor((n,), dtype, seed=seed + 1, device="cpu")
-            label = f"x ({rows}, {n}), {_dtype_name(dtype)}, seed {seed}"
-            ref = lambda x, w=w: rms_norm_ref(x, w, eps)
-            cases += _prefix_group(x, (w, eps), label, ref, dtype, _prefix_sizes(rows, rng))
-    seed = rng.randrange(2**31)  # a non-contiguous view: the transpose of a (129, 33) tensor
-    x = check.random_tensor((129, 33), torch.float32, seed=seed, device="cpu").t()
-    w = check.random_tensor((129,), torch.float32, seed=seed + 1, device="cpu")
-    label = f"x (33, 129) non-contiguous, float32, seed {seed}"
-    ref = lambda x, w=w: rms_norm_ref(x, w, eps)
-    return cases + _prefix_group(x, (w, eps), label, ref, torch.float32, _prefix_sizes(33, rng))
+def _rms_norm_group(rng, n, dtype, strided=False):
+    rows, scale = rng.randint(20, 40), rng.choice((1.0, 10.0))
+    x, seed = cases.draw(rng, (rows, n), dtype, scale)
+    w = cases.tensor((n,), seed + 1, dtype)
+    x = cases.strided(x) if strided else x
+    kind = " non-contiguous" if strided else ""
+    label = f"x ({rows}, {n}){kind}, {cases.dtype_name(dtype)}, seed {seed}"
+    ref = lambda x: rms_norm_ref(x.double(), w.double(), RMS_EPS)
+    return _prefix_group(x, (w, RMS_EPS), label, ref, dtype, _prefix_sizes(rows, rng))
 
 
-def matmul_ref(a, b):
-    return a.double() @ b.double()
+def _rms_norm_cases(rng):
+    drawn = []
+    for dtype in (torch.float32, torch.float16):
+        for n in RMS_COLS:
+            drawn += _rms_norm_group(rng, n, dtype)
+    return drawn + _rms_norm_group(rng, 129, torch.float32, strided=True)
 
 
 MATMUL_SHAPES = ((67, 129, 33), (40, 64, 65))  # (M, K, N), M the largest batch
+MATMUL_PREFIXES = (16, 17, 31, 32, 33, 64, 65)  # block edges of 16, 32 and 64 rows
 
 
-def _matmul_cases(rng, dtypes=(torch.float32, torch.float16), shapes=MATMUL_SHAPES, extra=()):
-    cases = []
-    for dtype in dtypes:
-        for rows, k, n in shapes:
-            seed = rng.randrange(2**31)
-            a = check.random_tensor((rows, k), dtype, seed=seed, device="cpu")
-            b = check.random_tensor((k, n), dtype, seed=seed + 1, device="cpu")
-            label = f"a ({rows}, {k}) @ b ({k}, {n}), {_dtype_name(dtype)}, seed {seed}"
-            sizes = _prefix_sizes(rows, rng, (16, 17, 31, 32, 33, 64, 65, *extra))
-            cases += _prefix_group(a, (b,), label, lambda a, b=b: matmul_ref(a, b), dtype, sizes)
-    return cases
+def _matmul_group(rng, shape, dtype, prefixes=MATMUL_PREFIXES, strided=False):
+    rows, k, n = shape
+    a, seed = cases.draw(rng, (rows, k), dtype)
+    b = cases.tensor((k, n), seed + 1, dtype)
+    a = cases.strided(a) if strided else a
+    kind = " (non-contiguous)" if strided else ""
+    label = f"a ({rows}, {k}){kind} @ b ({k}, {n}), {cases.dtype_name(dtype)}, seed {seed}"
+    ref = lambda a: matmul_ref(a.double(), b.double())
+    sizes = _prefix_sizes(rows, rng, prefixes)
+    return _prefix_group(a, (b,), label, ref, dtype, sizes)
+
+
+def _matmul_cases(rng):
+    drawn = []
+    for dtype in (torch.float32, torch.float16):
+        for shape in MATMUL_SHAPES:
+            drawn += _matmul_group(rng, shape, dtype)
+    return drawn + _matmul_group(rng, MATMUL_SHAPES[1], torch.float32, strided=True)
 
 
 def _matmul_gpu_cases(rng):
     shapes = ((300, 1024, 512), (129, 4096, 256))
-    extra = (8, 63, 127, 128, 129, 131, 132, 133, 255, 256, 257)
-    return _matmul_cases(rng, (torch.bfloat16, torch.float16), shapes, extra)
+    prefixes = (*MATMUL_PREFIXES, 8, 63, 127, 128, 129, 131, 132, 133, 255, 256, 257)
+    drawn = []
+    for dtype in (torch.bfloat16, torch.float16):
+        drawn += [c for shape in shapes for c in _matmul_group(rng, shape, dtype, prefixes)]
+    return drawn + _matmul_group(rng, shapes[0], torch.bfloat16, prefixes, strided=True)
 
 
 # Task 4: fixed-size split-KV
@@ -232,7 +247,10 @@ def _check_kv_splits(case: Case, out) -> str | None:
     return f"returned {out!r:.60}, expected {shown}"
 
 
-KERNEL_TASK = dict(**KERNEL_DEFENCES, forbidden_names=COURSE_NAMES)
+MATMUL_OPS = frozenset({"matmul", "mm", "addmm", "__matmul__", "bmm", "einsum"})
+# The kernel tasks: values, then bitwise invariance across each group's batch sizes, and none
+# of the course's own invariant kernels.
+invariant_task = partial(kernel_task, check_group=check_prefixes, forbidden_names=COURSE_NAMES)
 
 TASKS = [
     Task(
@@ -245,27 +263,25 @@ TASKS = [
         check=_check_first_variant,
         forbidden_names=COURSE_NAMES,
     ),
-    Task(
+    invariant_task(
         name="invariant_rms_norm",
         function="invariant_rms_norm",
         points=3,
         summary="a Triton RMSNorm: values, and bitwise f(X[:B]) == f(X)[:B], fp32 and fp16",
         hint="one row per program, the same block size and order of additions for every batch",
         cases=_rms_norm_cases,
-        check=_values_and_bits("reduction"),
+        check=cases.values("reduction"),
         forbidden_ops=frozenset({"rms_norm"}),
-        **KERNEL_TASK,
     ),
-    Task(
+    invariant_task(
         name="invariant_matmul",
         function="invariant_matmul",
         points=3,
         summary="a Triton matmul: values, and bitwise f(A[:M]) == f(A)[:M], fp32 and fp16",
         hint="one tile configuration for every M, and the whole K in one program, in order",
         cases=_matmul_cases,
-        check=_values_and_bits("matmul"),
-        forbidden_ops=frozenset({"matmul", "mm", "addmm", "__matmul__", "bmm", "einsum"}),
-        **KERNEL_TASK,
+        check=cases.values("matmul"),
+        forbidden_ops=MATMUL_OPS,
     ),
     Task(
         name="kv_splits",
@@ -277,16 +293,15 @@ TASKS = [
         check=_check_kv_splits,
         forbidden_names=COURSE_NAMES,
     ),
-    Task(
+    invariant_task(
         name="invariant_matmul_gpu",
         function="invariant_matmul",
         points=2,
         summary="on a GPU: bf16 and fp16, M from 1 to 300 across tile and SM-count edges",
         hint="no split-K and no tile choice from M: the compiled kernel must not depend on M",
         cases=_matmul_gpu_cases,
-        check=_values_and_bits("matmul"),
-        forbidden_ops=frozenset({"matmul", "mm", "addmm", "__matmul__", "bmm", "einsum"}),
+        check=cases.values("matmul"),
+        forbidden_ops=MATMUL_OPS,
         needs_gpu=True,
-        **KERNEL_TASK,
     ),
 ]

@@ -6,7 +6,9 @@ decides, case by case, in this order: did the child report at all; were forbidde
 ops called; were the inputs left alone; is the output a stale result from an earlier call;
 was a kernel launched where one is asked for, and did torch compute nothing beside it; is
 the output memory a kernel was given, in the right shape and dtype, with every element
-written; and finally are the values right (`Task.check`, through `kernels.check`).
+written; are the values right (`Task.check`, or the case's own check, through
+`kernels.check`); and last, when every case passed, do the cases agree with each other
+(`Task.check_group`, for checks across the cases of a group).
 """
 
 import random
@@ -44,6 +46,9 @@ class Case:
     kwargs: dict = field(default_factory=dict)
     action: str = "call"  # or "time": the child times the call, and torch's `timed_against`
     timed_against: str = "copy"  # torch's op timed beside it: "copy" (of args[0]) or "matmul"
+    baseline: torch.Tensor | None = None  # torch's own result in the inputs' dtype, if compared
+    check: Callable | None = None  # this case's own check (a timed case's), else the task's
+    group: object = None  # the key of the cases that `Task.check_group` checks together
 
     def for_child(self) -> dict:
         return {
@@ -55,6 +60,26 @@ class Case:
 
 
 @dataclass(frozen=True)
+class Timing:
+    """What the child measured for a timed case: the call, and torch's `baseline` op beside it
+    (the child reports these three keys; `read` takes nothing else)."""
+
+    ms: float
+    baseline_ms: float
+    baseline: str  # "copy" or "matmul"
+
+    @classmethod
+    def read(cls, report) -> "Timing | None":
+        """The child's report as a Timing, or None when it is not one (missing, malformed)."""
+        try:
+            timing = cls(float(report["ms"]), float(report["baseline_ms"]), report["baseline"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        ok = timing.ms > 0 and timing.baseline_ms > 0 and isinstance(timing.baseline, str)
+        return timing if ok else None
+
+
+@dataclass(frozen=True)
 class Task:
     name: str
     function: str  # the learner's function that the task calls
@@ -63,6 +88,8 @@ class Task:
     hint: str  # shown with a wrong value
     cases: Callable[[random.Random], list]
     check: Callable[[Case, object], str | None]  # None when the output is right
+    # After every case passed: (index of a case, problem) for checks across cases, or None
+    check_group: Callable[[list, list], tuple | None] | None = None
     kernel: bool = False  # must launch a Triton kernel, written by the learner
     launcher_ops: frozenset | None = None  # torch ops allowed outside kernels (None: any)
     forbidden_ops: frozenset = frozenset()  # torch ops that are the task itself
@@ -71,6 +98,11 @@ class Task:
     needs_gpu: bool = False
     exclusive: bool = False  # runs alone (timing)
     time_limit: float = 60.0
+
+
+def kernel_task(**fields) -> Task:
+    """A task whose answer is a Triton kernel and its launcher: KERNEL_DEFENCES apply."""
+    return Task(**KERNEL_DEFENCES, **fields)
 
 
 @dataclass
@@ -149,8 +181,9 @@ def _tensor_problem(task: Task, case: Case, out) -> tuple | None:
 
 def _case_problem(task: Task, cases, reports, outputs, i) -> tuple | None:
     case, got, out = cases[i], reports[i], outputs[i]
+    check_case = case.check or task.check
     if case.action == "time":
-        problem = task.check(case, got.get("timing"))
+        problem = check_case(case, Timing.read(got.get("timing")))
         return (problem, task.hint) if problem else None
     ops = set(got.get("ops", []))
     forbidden = sorted(ops & task.forbidden_ops)
@@ -189,7 +222,7 @@ def _case_problem(task: Task, cases, reports, outputs, i) -> tuple | None:
         problem = _tensor_problem(task, case, out)
         if problem:
             return problem
-    problem = task.check(case, out)
+    problem = check_case(case, out)
     return (problem, task.hint) if problem else None
 
 
@@ -221,17 +254,27 @@ def error_message(error: dict, cases, where) -> str:
     return text
 
 
-def evaluate(task: Task, cases, run, where) -> Outcome:
-    """The verdict on one task from the child's run; `where(line)` names a learner's line."""
+def run_problem(run, cases, where) -> str | None:
+    """Why a child's run leaves nothing to judge case by case (a crash, a hang, an exit, an
+    exception, no result), or None; `where(line)` names a learner's line."""
     if run.failure:
         line = f" at {where(run.crash_line)}" if run.crash_line else ""
-        return failed(f"{run.failure}{line} {_context(run.phase, cases)}")
+        return f"{run.failure}{line} {_context(run.phase, cases)}"
     result = run.result
     if not isinstance(result, dict) or not isinstance(result.get("cases"), list):
-        return failed("returned no result")
+        return "returned no result"
     if result.get("error"):
         error = result["error"]
-        return failed(error_message(error, cases, where) if isinstance(error, dict) else "failed")
+        return error_message(error, cases, where) if isinstance(error, dict) else "failed"
+    return None
+
+
+def evaluate(task: Task, cases, run, where) -> Outcome:
+    """The verdict on one task from the child's run; `where(line)` names a learner's line."""
+    problem = run_problem(run, cases, where)
+    if problem:
+        return failed(problem)
+    result = run.result
     reports = result["cases"]
     if len(reports) != len(cases) or not all(isinstance(r, dict) for r in reports):
         return failed(f"returned results for {len(reports)} of {len(cases)} cases")
@@ -241,4 +284,9 @@ def evaluate(task: Task, cases, run, where) -> Outcome:
         if problem:
             message, hint = problem
             return failed(f"{message} [{case.label}]", hint)
+    if task.check_group:
+        across = task.check_group(cases, outputs)
+        if across:
+            i, message = across
+            return failed(f"{message} [{cases[i].label}]", task.hint)
     return Outcome("passed", task.points, f"{len(cases)} cases")
