@@ -7,6 +7,7 @@ but not for Triton kernels, which the interpreter runs in Python: for those, cha
 show the results recorded on a GPU (`measure_or_recorded`).
 """
 
+import contextlib
 import datetime
 import json
 import re
@@ -99,6 +100,33 @@ def loop_us(fn, *args, budget_s: float = 0.05, rounds: int = 5, max_calls: int =
         elapsed = seconds(calls)
     best = min([elapsed] + [seconds(calls) for _ in range(rounds - 1)])
     return best / calls * 1e6
+
+
+@contextlib.contextmanager
+def launches():
+    """Every Triton launch inside the block, as the dict its kernel's `launch_metadata` gives
+    ({"name": kernel and shape, "flops", "bytes"}; a kernel without one gives its name). It is
+    the launch hook that profilers such as Proton set, so it needs no profiler and runs beside
+    torch.profiler (two CUPTI profilers cannot share a process). GPU only: the interpreter
+    calls no launch hooks."""
+    from triton import knobs
+
+    seen = []
+    record = lambda metadata: seen.append(dict(metadata.get()))
+    hooks = knobs.runtime
+    previous = hooks.launch_enter_hook
+    chained = hasattr(previous, "add")  # a chain of hooks in newer Triton, a single one in 3.6
+    if chained:
+        previous.add(record)
+    else:
+        hooks.launch_enter_hook = record
+    try:
+        yield seen
+    finally:
+        if chained:
+            previous.remove(record)
+        else:
+            hooks.launch_enter_hook = previous
 
 
 def _synchronize():

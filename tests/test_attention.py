@@ -260,27 +260,13 @@ def test_launch_metadata_names_shape_flops_and_bytes(dtype, causal):
 
 @GPU
 def test_profiler_hook_sees_named_launches():
-    import triton
+    from kernels.bench import launches
 
-    seen = []
-    hooks = triton.knobs.runtime
-    record = lambda metadata: seen.append(metadata.get())
-    chained = hasattr(hooks.launch_enter_hook, "add")  # a HookChain in newer Triton
-    previous = hooks.launch_enter_hook
-    if chained:
-        hooks.launch_enter_hook.add(record)
-    else:
-        hooks.launch_enter_hook = record
-    try:
+    with launches() as seen:
         q, k, v, do = make_inputs((2, 3, 129, 257, 64), torch.bfloat16, seed=31)
         q.requires_grad_()
         attention(q, k, v, causal=True).backward(do)
         torch.cuda.synchronize()
-    finally:
-        if chained:
-            hooks.launch_enter_hook.remove(record)
-        else:
-            hooks.launch_enter_hook = previous
     names = {m["name"]: m for m in seen}
     shape = "[B=2 H=3 Sq=129 Sk=257 D=64 causal]"
     forward = names[f"attention_fwd_kernel {shape}"]

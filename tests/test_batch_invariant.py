@@ -177,21 +177,16 @@ def test_launch_metadata_names_each_launch_with_its_shape_flops_and_bytes():
 @pytest.mark.gpu
 def test_gpu_profiler_hook_sees_each_launch_by_name():
     """A profiler's launch hook (what Proton sets) gets the metadata of real launches."""
-    import triton
+    from kernels.bench import launches
 
-    seen = []
-    knobs = triton.knobs.runtime
-    saved = knobs.launch_enter_hook
-    knobs.launch_enter_hook = lambda metadata: seen.append(metadata.get()["name"])
-    try:
+    with launches() as launched:
         x = check.random_tensor((33, 64), torch.float16, seed=40, device=DEVICE)
         bi.rms_norm(x, x[0])
         bi.matmul(x, x.t())
         q = check.random_tensor((1, 2, 5, 16), torch.float16, seed=41, device=DEVICE)
         bi.attention(q, q, q, causal=True)
         torch.cuda.synchronize()
-    finally:
-        knobs.launch_enter_hook = saved
+    seen = [m["name"] for m in launched]
     for name in ("rms_norm_kernel [rows=33, cols=64]", "invariant_matmul_kernel [M=33, N=33, K=64]",
                  "attention_split_kernel [B=1, H=2, Sq=5, Sk=5, D=16, splits=1]",
                  "attention_combine_kernel [rows=10, splits=1, D=16]"):  # fmt: skip

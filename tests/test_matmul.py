@@ -410,25 +410,13 @@ def test_launch_metadata_names_shape_flops_and_bytes(kernel, dtype):
 
 @pytest.mark.gpu
 def test_gpu_profiler_hook_sees_named_launches():
-    from triton import knobs
+    from kernels.bench import launches
 
-    seen = []
-    hook = lambda metadata: seen.append(metadata.get())
-    chain = knobs.runtime.launch_enter_hook  # a chain of hooks in newer Triton, one before
-    if hasattr(chain, "add"):
-        chain.add(hook)
-    else:
-        knobs.runtime.launch_enter_hook = hook
-    try:
+    with launches() as seen:
         a, b = operands(512, 384, 256, torch.bfloat16, seed=47)
         matmul(a, b)
         matmul(a, b)  # tuned: launched directly
         torch.cuda.synchronize()
-    finally:
-        if hasattr(chain, "remove"):
-            chain.remove(hook)
-        else:
-            knobs.runtime.launch_enter_hook = chain
     named = [m for m in seen if m.get("name", "").endswith("[M=512, N=384, K=256]")]
     assert named, [m.get("name") for m in seen]
     assert all(m["flops"] == 2 * 512 * 384 * 256 for m in named)
