@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from kernels import matmul_tuning as tuning
 from kernels.primitives import epilogue, grouped_tile
 from kernels.runtime import INTERPRET
-from kernels.validate import check_matmul_inputs
+from kernels.validate import check_matmul_inputs, needs_grad
 
 
 def _launch_metadata(grid, kernel, args) -> dict:
@@ -224,15 +224,9 @@ class MatmulFunction(torch.autograd.Function):
         return da, db, dbias, None, None
 
 
-def _needs_grad(*tensors) -> bool:
-    # Without a gradient to compute, skip autograd's bookkeeping: on a small input the
-    # host's time per call, not the GPU's, sets the pace (Chapter 1's overhead regime).
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _checked(a, b, bias, activation, kernel):
     check_matmul_inputs(a, b, bias, activation)
-    if _needs_grad(a, b, bias):
+    if needs_grad(a, b, bias):
         return MatmulFunction.apply(a, b, bias, activation, kernel)
     return _matmul(a, b, bias, activation, kernel)
 

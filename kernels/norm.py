@@ -23,7 +23,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from kernels.runtime import ON_GPU
-from kernels.validate import check_row_vector, check_tensor
+from kernels.validate import check_row_vector, check_tensor, needs_grad
 
 MAX_COLS = 65536  # rows are kept whole in registers; longer ones would need a loop
 
@@ -284,17 +284,11 @@ class LayerNormFunction(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw, db, None
 
 
-def _needs_grad(*tensors) -> bool:
-    # Without a gradient to compute, skip autograd's bookkeeping: on a small input the
-    # host's time per call, not the GPU's, sets the pace (Chapter 1's overhead regime).
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading dims), scaled by `weight`; fp32 inside,
     output in x's dtype. Differentiable in x and weight (backward in Triton)."""
     _check(x, eps, weight=weight)
-    if _needs_grad(x, weight):
+    if needs_grad(x, weight):
         return RMSNormFunction.apply(x, weight, float(eps))
     return _forward(x, weight, None, float(eps))[0]
 
@@ -305,7 +299,7 @@ def layer_norm(
     """LayerNorm over the last dim of `x` (any leading dims), then `* weight + bias`; fp32
     inside, output in x's dtype. Differentiable in x, weight and bias (backward in Triton)."""
     _check(x, eps, weight=weight, bias=bias)
-    if _needs_grad(x, weight, bias):
+    if needs_grad(x, weight, bias):
         return LayerNormFunction.apply(x, weight, bias, float(eps))
     return _forward(x, weight, bias, float(eps))[0]
 

@@ -60,6 +60,13 @@ def check_row_vector(name: str, p, x):
         )
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd must record this call. Without a gradient to compute, the ops skip
+    autograd's bookkeeping: on a small input the host's time per call, not the GPU's, sets the
+    pace (Chapter 1's overhead regime)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def input_precision(dtype: torch.dtype) -> str:
     """fp32 follows torch: "highest" (the default) means IEEE fp32, otherwise TF32 is allowed.
     fp16 and bf16 go to the tensor cores as they are."""
