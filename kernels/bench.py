@@ -208,10 +208,20 @@ def _path(chapter: str, gpu: str) -> Path:
 
 
 def record(chapter: str, key: str, value) -> None:
-    """Store a result measured on this GPU (with the versions that produced it)."""
+    """Store a result measured on this GPU (with the versions that produced it). A value with a
+    benchmark row above its roof (kernels.roofs) is refused with a ValueError naming the rows."""
     if not ON_GPU:
         raise RuntimeError("record() stores GPU measurements; this machine has no GPU")
-    path = _path(chapter, gpu_slug(torch.cuda.get_device_name()))
+    from kernels import roofs
+
+    gpu = gpu_slug(torch.cuda.get_device_name())
+    problems = roofs.check(value, f"{chapter}.json results[{key!r}]", gpu)
+    if problems:
+        raise ValueError(
+            f"not recorded: {len(problems)} physics problems (declare a true reason next to "
+            "the benchmark that makes the row, or find the bug):\n  " + "\n  ".join(problems)
+        )
+    path = _path(chapter, gpu)
     data = json.loads(path.read_text()) if path.exists() else {"results": {}}
     data["meta"] = {**versions(), "date": datetime.date.today().isoformat()}
     data["results"][key] = value

@@ -144,11 +144,30 @@ def check_recorded(path) -> str | None:
     return None
 
 
+def check_physics(path, device: str) -> list[str]:
+    """The physics problems (kernels.roofs) in the results the chapter at `path` recorded on
+    `device`: kernels/data/<gpu>/<notebook name>.json; [] when it keeps none (a lab)."""
+    from kernels import bench, roofs
+
+    data = bench.DATA_DIR / bench.gpu_slug(device) / f"{Path(path).stem}.json"
+    return roofs.check_file(data) if data.exists() else []
+
+
 def main(paths) -> int:
     for path in paths:
         print(f"recording {path} ...", flush=True)
         meta = record(path)
         print(f"  recorded on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})")
+        problems = check_physics(path, meta["device"])
+        if problems:
+            print(
+                f"PHYSICS: {path} recorded {len(problems)} rates above their roofs; its "
+                "results must not be committed:",
+                *problems,
+                sep="\n  ",
+                file=sys.stderr,
+            )
+            return 1
     return 0
 
 

@@ -10,9 +10,11 @@ run recorded on the course's GPU is kernels/data/<gpu>/bench.json.
 
 import datetime
 import json
+import sys
 from pathlib import Path
 
-from kernels import bench, runtime
+from kernels import bench, roofs, runtime
+from kernels.benchmarks import batch_invariant, fusion, matmul, regimes
 from kernels.benchmarks.attention import bench_attention
 from kernels.benchmarks.batch_invariant import bench_batch_invariant
 from kernels.benchmarks.fusion import bench_add, bench_fusion, bench_norm_backward, bench_softmax
@@ -20,7 +22,16 @@ from kernels.benchmarks.matmul import bench_matmul
 from kernels.benchmarks.regimes import bench_regimes
 from kernels.benchmarks.rows import row
 
-__all__ = ["BENCHMARKS", "run", "merge", "format_table", "row", "recorded_path", "main"]
+__all__ = [
+    "BENCHMARKS",
+    "ABOVE_ROOF",
+    "run",
+    "merge",
+    "format_table",
+    "row",
+    "recorded_path",
+    "main",
+]
 
 BENCHMARKS = {
     "add": bench_add,
@@ -32,6 +43,10 @@ BENCHMARKS = {
     "attention": bench_attention,
     "batch_invariant": bench_batch_invariant,
 }
+
+# Recorded rows that may pass their measured ceiling, and why, from each chapter's module:
+# (name pattern, unit, reason). kernels.roofs reads it for rows without "above_roof".
+ABOVE_ROOF = fusion.ABOVE_ROOF + regimes.ABOVE_ROOF + matmul.ABOVE_ROOF + batch_invariant.ABOVE_ROOF
 
 
 def run(names=None, ceilings=None):
@@ -98,7 +113,8 @@ def main(names=(), json_path=None, update=False) -> int:
     """The `bench` command. On a GPU: run the named benchmarks (default: all), print the table
     and, with `json_path`, write the run there (with `update`, merged into the run already in
     that file). On a CPU the interpreter's timings would mean nothing: print the run recorded
-    on the course's GPU instead (and write it to `json_path`)."""
+    on the course's GPU instead (and write it to `json_path`). A run with a row that breaks
+    physics (kernels.roofs) is printed but not written, and the exit status is 1."""
     if not runtime.ON_GPU:
         path = recorded_path()
         print(
@@ -116,6 +132,19 @@ def main(names=(), json_path=None, update=False) -> int:
         if update and json_path and Path(json_path).exists():
             result = merge(json.loads(Path(json_path).read_text()), result)
     print(format_table(result))
+    gpu = bench.gpu_slug(result["meta"]["device"])
+    print(roofs.describe(gpu))
+    problems = roofs.check(result, Path(json_path or "bench.json").name, gpu)
+    if problems:
+        refused = f"NOT written to {json_path}: " if json_path else ""
+        print(
+            f"{refused}{len(problems)} physics problems (a rate above its roof: declare a true "
+            "reason next to the benchmark that makes the row, or find the bug):",
+            *problems,
+            sep="\n  ",
+            file=sys.stderr,
+        )
+        return 1
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {json_path}")

@@ -13,6 +13,14 @@ FUSION_SHAPES = ((4096, 4096), (16384, 8192))
 FUSION_DTYPES = ("bf16", "fp32")
 SOFTMAX_ROWS = (2048, 4096, 8192, 16384, 32768, 131072)  # row lengths, bf16, 2^26 elements
 
+ADD_READS_TWICE = (
+    "a 2:1 read:write stream turns the DRAM bus around less often than the 1:1 copy that sets "
+    "the ceiling, so it moves a few percent more bytes per second"
+)
+# Rows that may pass their measured ceiling, and why: (name pattern, unit, reason). Each row
+# built now carries its reason as "above_roof"; this table gives it to rows recorded before.
+ABOVE_ROOF = ((r"add fp32 n=2\^\d+", "GB/s", ADD_READS_TWICE),)
+
 
 def bench_add(ceilings):
     from kernels.elementwise import add
@@ -29,6 +37,7 @@ def bench_add(ceilings):
                 bytes_moved=3 * 4 * n,  # read x and y, write out
                 ceilings=ceilings,
                 baselines={"torch": eager},
+                above_roof=ADD_READS_TWICE,
             )
         )
     return rows
