@@ -54,33 +54,34 @@ def benchmark_rows(data, where: str = ""):
             yield from benchmark_rows(value, f"{where}[{i}]")
 
 
-def check(data, source: str, gpu: str) -> list[str]:
+def check(data, source: str, gpu: str, declared=()) -> list[str]:
     """The physics problems in `data` recorded on `gpu`, one line each naming the file and row
-    (`source` names the file), the value and its roof; [] when there are none."""
+    (`source` names the file), the value and its roof; [] when there are none. `declared`:
+    (name pattern, unit, reason) for rows recorded before rows carried their own reason
+    (`kernels.benchmarks.ABOVE_ROOF`, passed in by the callers that read recorded files)."""
     peaks = DATASHEET.get(gpu)
     problems = []
     at = lambda where: source + ("" if where.startswith("[") else " ") + where
     for where, r in benchmark_rows(data):
-        problems += _check_row(r, f"{at(where)} {r.get('name', '?')!r}", peaks)
+        problems += _check_row(r, f"{at(where)} {r.get('name', '?')!r}", peaks, declared)
     for where, ceilings in _ceilings(data):
         problems += _check_ceilings(ceilings, at(where), peaks)
     return problems
 
 
-def check_file(path) -> list[str]:
+def check_file(path, declared=()) -> list[str]:
     """check() on a recorded JSON file; its folder names the GPU (kernels/data/<gpu>/)."""
     path = Path(path)
-    return check(json.loads(path.read_text()), f"{path.parent.name}/{path.name}", path.parent.name)
+    data = json.loads(path.read_text())
+    return check(data, f"{path.parent.name}/{path.name}", path.parent.name, declared)
 
 
-def reason(r: dict) -> str | None:
+def reason(r: dict, declared=()) -> str | None:
     """Why row `r` may pass its measured ceiling: the row's own "above_roof", else the reason
-    its benchmark module declares for rows of that name and unit; None if neither gives one."""
+    `declared` gives for rows of that name and unit; None if neither gives one."""
     if r.get("above_roof"):
         return r["above_roof"]
-    from kernels.benchmarks import ABOVE_ROOF
-
-    for pattern, unit, why in ABOVE_ROOF:
+    for pattern, unit, why in declared:
         if unit == r["unit"] and re.fullmatch(pattern, r.get("name", "")):
             return why
     return None
@@ -98,10 +99,10 @@ def dtype_of(r: dict, peaks: dict) -> str:
     return max(peaks["tflops"], key=peaks["tflops"].get)
 
 
-def _check_row(r, label, peaks) -> list[str]:
+def _check_row(r, label, peaks, declared) -> list[str]:
     rate, pct, unit = r["rate"], r["pct_of_ceiling"], r["unit"]
     problems = []
-    if pct is not None and pct > 100 and not reason(r):
+    if pct is not None and pct > 100 and not reason(r, declared):
         ceiling = "copy ceiling" if unit == "GB/s" else "matmul ceiling"
         problems.append(
             f"{label}: {rate:.1f} {unit} is {pct:.1f}% of its run's measured {ceiling} "
