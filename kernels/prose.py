@@ -19,6 +19,8 @@ Names an expression can use (nothing else: it is parsed, never passed to eval):
 - `ch`: the `results` of the chapter's own recorded JSON, `kernels/data/h200/<chapter>.json`;
 - `bench`: the benchmark's recorded JSON, `kernels/data/h200/bench.json` (`bench.rows`,
   `bench.ceilings`);
+- `recorded("tune_fusion")`: the `results` of another recorded JSON of the same folder (a
+  tuning script's run, which a chapter quotes);
 - `out(r"regex")`: the one number captured by the regex's group in the notebook's stored
   outputs (every match must capture the same value);
 - `speedup(row, baseline)`: `row.baselines[baseline] / row.ms`, the "vs baselines" ratio the
@@ -199,6 +201,7 @@ def names_for(path, nb) -> dict:
     benchmark's, its stored outputs and the helper functions."""
     data = DATA_DIR / RECORDED_GPU
     names = dict(FUNCTIONS, out=_Output(list(_outputs(nb))))
+    names["recorded"] = lambda stem: _load(data / f"{Path(str(stem)).name}.json")["results"]
     for name, file in (("ch", f"{Path(path).stem}.json"), ("bench", "bench.json")):
         try:
             recorded = _load(data / file)

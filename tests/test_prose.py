@@ -17,6 +17,12 @@ CONVERTED = {
     "03_matmul": ["### The chapter's targets, measured"],
     "05_batch_invariance": ["### The targets, measured"],
 }
+# More converted cells, by heading; some hold only cited numbers and targets (Chapters 1 and 4).
+CONVERTED_CITED = {
+    "01_three_regimes": ["## 1. Napkin math", "### The double-the-batch test"],
+    "02_fusion": ["### The chapter's targets, measured"],
+    "04_attention": ["**Targets.**", "## 8. Where FlexAttention fits"],
+}
 MATMUL = ROOT / "chapters" / "03_matmul.ipynb"
 TARGETS = 65  # Chapter 3's targets cell
 
@@ -38,6 +44,33 @@ def test_the_targets_tables_stay_converted(chapter):
         assert cells[0] in converted, f"{chapter} cell {cells[0]} ({heading!r}) lost its block"
     annotations, _ = prose.check_notebook(path)
     assert len([a for a in annotations if a.cell in converted]) >= 10
+
+
+@pytest.mark.parametrize("chapter", sorted(CONVERTED_CITED))
+def test_the_other_converted_cells_keep_their_blocks(chapter):
+    path = ROOT / "chapters" / f"{chapter}.ipynb"
+    nb = json.loads(path.read_text())
+    converted = prose.coverage(path)
+    for heading in CONVERTED_CITED[chapter]:
+        cells = [i for i, c in enumerate(nb["cells"]) if "".join(c["source"]).startswith(heading)]
+        assert len(cells) == 1, f"{chapter}: {len(cells)} cells start with {heading!r}"
+        assert cells[0] in converted, f"{chapter} cell {cells[0]} ({heading!r}) lost its block"
+
+
+def test_chapter_2s_targets_quote_the_benchmark_and_the_tuning_run():
+    """Its table cites `python -m kernels bench` and scripts/tune_fusion.py: both are read."""
+    path = ROOT / "chapters" / "02_fusion.ipynb"
+    annotations, _ = prose.check_notebook(path)
+    exprs = " ".join(a.expr for a in annotations)
+    assert len(annotations) >= 30 and "tune." in exprs and "bench." in exprs
+
+
+def test_recorded_reads_another_recorded_json_of_the_folder_only():
+    names = prose.names_for(MATMUL, {"cells": []})
+    tune = prose.evaluate('recorded("tune_fusion")', names)
+    assert "bias_gelu" in tune
+    with pytest.raises(LookupError, match="not recorded"):
+        prose.evaluate('recorded("../../../pyproject")', names)
 
 
 # --- planted mismatches in a copy of Chapter 3
