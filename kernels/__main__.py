@@ -52,6 +52,34 @@ def record_command(args) -> int:
     return notebook.main(args.paths)
 
 
+def generate_command(args) -> int:
+    """The model's reply to one chat message, fp32 on a CPU (its weights' dtype on a GPU: bf16)."""
+    import torch
+
+    from kernels import llm
+    from kernels.runtime import ON_GPU
+
+    config = llm.CONFIGS[args.config]
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    try:
+        model = llm.load_model(args.config, dtype=dtype)
+        # the tiny config's vocabulary is bytes; the others decode with the file's tokenizer
+        if config.vocab_size == 256:
+            tok = llm.tokenizer.ByteTokenizer()
+        else:
+            tok = llm.load_tokenizer()
+    except FileNotFoundError as exc:  # the message names the three ways to supply the file
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    stop = () if tok.eos_id is None else (tok.eos_id,)
+    ids = llm.generate(
+        model, tok.chat(args.prompt), args.tokens, stop_ids=stop, progress=args.tokens > 32
+    )
+    ids = ids[:-1] if ids and ids[-1] in stop else ids
+    print(tok.decode([i for i in ids if i < tok.vocab_size]))
+    return 0
+
+
 def main(argv=None) -> int:
     from kernels.grader import cli as grader
 
@@ -68,9 +96,23 @@ def main(argv=None) -> int:
     )
     p = sub.add_parser("record", help="execute notebooks and record their outputs and metadata")
     p.add_argument("paths", nargs="+")
+    p = sub.add_parser("generate", help="the language model's reply to a chat message")
+    p.add_argument("prompt", help='the user\'s message, e.g. "Tell me about Richard Feynman."')
+    p.add_argument("--tokens", type=int, default=64, help="at most this many new tokens (64)")
+    p.add_argument(
+        "--config",
+        default="smollm2-135m",
+        choices=["smollm2-135m", "tiny", "llama-1b-shape"],
+        help="smollm2-135m: the real model; the others: random weights of that shape",
+    )
     grader.add_commands(sub)
     args = parser.parse_args(argv)
-    handlers = {"doctor": doctor, "bench": bench_command, "record": record_command}
+    handlers = {
+        "doctor": doctor,
+        "bench": bench_command,
+        "record": record_command,
+        "generate": generate_command,
+    }
     handlers.update(grader.HANDLERS)
     return handlers[args.command](args)
 

