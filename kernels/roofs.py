@@ -40,18 +40,24 @@ def describe(gpu: str) -> str:
     )
 
 
-def benchmark_rows(data, where: str = ""):
-    """(location, row) for every benchmark row inside `data` (a bench run, a chapter's JSON or
-    one recorded value): any dict with a unit in GB/s or TFLOP/s, a rate and a % of ceiling."""
+def _find(data, wanted, where=""):
+    """(location, dict) for each dict inside `data` that `wanted` accepts (not looking inside it)."""
     if isinstance(data, dict):
-        if data.get("unit") in RATE_UNITS and {"rate", "pct_of_ceiling"} <= set(data):
+        if wanted(data):
             yield where, data
             return
         for key, value in data.items():
-            yield from benchmark_rows(value, f"{where}.{key}" if where else str(key))
+            yield from _find(value, wanted, f"{where}.{key}" if where else str(key))
     elif isinstance(data, list):
         for i, value in enumerate(data):
-            yield from benchmark_rows(value, f"{where}[{i}]")
+            yield from _find(value, wanted, f"{where}[{i}]")
+
+
+def benchmark_rows(data):
+    """(location, row) for every benchmark row inside `data` (a bench run, a chapter's JSON or
+    one recorded value): any dict with a unit in GB/s or TFLOP/s, a rate and a % of ceiling."""
+    is_row = lambda d: d.get("unit") in RATE_UNITS and {"rate", "pct_of_ceiling"} <= set(d)
+    return _find(data, is_row)
 
 
 def check(data, source: str, gpu: str, declared=()) -> list[str]:
@@ -125,17 +131,10 @@ def _check_row(r, label, peaks, declared) -> list[str]:
     return problems
 
 
-def _ceilings(data, where=""):
+def _ceilings(data):
     """(location, ceilings) for every measured-ceilings dict inside `data`."""
-    if isinstance(data, dict):
-        if {"copy_gbps", "matmul_tflops"} <= set(data):
-            yield where or "ceilings", data
-            return
-        for key, value in data.items():
-            yield from _ceilings(value, f"{where}.{key}" if where else str(key))
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            yield from _ceilings(value, f"{where}[{i}]")
+    for where, found in _find(data, lambda d: {"copy_gbps", "matmul_tflops"} <= set(d)):
+        yield where or "ceilings", found
 
 
 def _check_ceilings(ceilings, label, peaks) -> list[str]:

@@ -33,28 +33,28 @@ def test_prose_states_the_recorded_numbers(path):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("chapter", sorted(CONVERTED))
-def test_the_targets_tables_stay_converted(chapter):
+def converted_cells(chapter, headings):
+    """The cells of `chapter` starting with each heading, each still carrying its block."""
     path = ROOT / "chapters" / f"{chapter}.ipynb"
     nb = json.loads(path.read_text())
     converted = prose.coverage(path)
-    for heading in CONVERTED[chapter]:
+    for heading in headings:
         cells = [i for i, c in enumerate(nb["cells"]) if "".join(c["source"]).startswith(heading)]
         assert len(cells) == 1, f"{chapter}: {len(cells)} cells start with {heading!r}"
         assert cells[0] in converted, f"{chapter} cell {cells[0]} ({heading!r}) lost its block"
+    return path, converted
+
+
+@pytest.mark.parametrize("chapter", sorted(CONVERTED))
+def test_the_targets_tables_stay_converted(chapter):
+    path, converted = converted_cells(chapter, CONVERTED[chapter])
     annotations, _ = prose.check_notebook(path)
     assert len([a for a in annotations if a.cell in converted]) >= 10
 
 
 @pytest.mark.parametrize("chapter", sorted(CONVERTED_CITED))
 def test_the_other_converted_cells_keep_their_blocks(chapter):
-    path = ROOT / "chapters" / f"{chapter}.ipynb"
-    nb = json.loads(path.read_text())
-    converted = prose.coverage(path)
-    for heading in CONVERTED_CITED[chapter]:
-        cells = [i for i, c in enumerate(nb["cells"]) if "".join(c["source"]).startswith(heading)]
-        assert len(cells) == 1, f"{chapter}: {len(cells)} cells start with {heading!r}"
-        assert cells[0] in converted, f"{chapter} cell {cells[0]} ({heading!r}) lost its block"
+    converted_cells(chapter, CONVERTED_CITED[chapter])
 
 
 def test_chapter_2s_targets_quote_the_benchmark_and_the_tuning_run():
