@@ -41,7 +41,7 @@ def describe(gpu: str) -> str:
 
 
 def _find(data, wanted, where=""):
-    """(location, dict) for each dict inside `data` that `wanted` accepts (not looking inside it)."""
+    """(location, dict) for each dict in `data` that `wanted` accepts, not looking inside it."""
     if isinstance(data, dict):
         if wanted(data):
             yield where, data
