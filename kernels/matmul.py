@@ -20,25 +20,12 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from kernels import matmul_tuning as tuning
-from kernels.primitives import epilogue, grouped_tile
+from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
 from kernels.runtime import INTERPRET
 from kernels.validate import check_matmul_inputs, needs_grad
 
 
-def _launch_metadata(grid, kernel, args) -> dict:
-    """What a profiler trace shows for one launch of either kernel: its shape, FLOPs, bytes.
-    Read from the tensors, not the constexprs (older Triton passed those differently)."""
-    M, N, K, bias = args["M"], args["N"], args["K"], args["bias_ptr"]
-    es = bias.element_size()  # the bias, or c standing in: the inputs' dtype either way
-    bias_elements = N if bias.dim() == 1 else 0  # c, standing in, is 2-D
-    return {
-        "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
-        "flops": 2.0 * M * N * K,
-        "bytes": es * (M * K + K * N + M * N + bias_elements),  # each operand once, c once
-    }
-
-
-@triton.jit(launch_metadata=_launch_metadata)
+@triton.jit(launch_metadata=matmul_launch_metadata)
 def matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -70,7 +57,7 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(launch_metadata=_launch_metadata)
+@triton.jit(launch_metadata=matmul_launch_metadata)
 def matmul_tma_kernel(
     a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,

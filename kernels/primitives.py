@@ -4,6 +4,7 @@
 - gelu: the exact (erf) GELU, F.gelu's default (bias_gelu and the matmul epilogues).
 - grouped_tile: the order in which a matmul's programs visit output tiles (both matmuls).
 - epilogue: bias and activation applied to a matmul's fp32 tile before its one store.
+- matmul_launch_metadata: what a profiler shows for a launch of any of the matmul kernels.
 - attention's forward and backward kernels share the grid's (batch, head) addressing
   (head_index, head_tile), the causal rule (causal_sees, key_mask), the key ranges of a query
   block (key_ranges) and the key/value block load (kv_block): a mask or a range fixed in one
@@ -113,3 +114,18 @@ def kv_block(ptrs, start_n, stride_n, cols, seq_k, MASKED: tl.constexpr):
     else:
         block = tl.load(ptrs + start_n * stride_n)
     return block
+
+
+def matmul_launch_metadata(grid, kernel, args) -> dict:
+    """`@triton.jit(launch_metadata=...)` of every matmul kernel (its `bias_ptr` is c, standing
+    in, without a bias): the launch's shape, 2*M*N*K FLOPs, and the least bytes: a, b and the
+    bias read once, c written once. Read from the tensors, not the constexprs (older Triton
+    passed those differently); Triton calls it only while a launch hook is set."""
+    M, N, K, bias = args["M"], args["N"], args["K"], args["bias_ptr"]
+    es = bias.element_size()  # the bias, or c standing in: the inputs' dtype either way
+    bias_elements = N if bias.dim() == 1 else 0  # c, standing in, is 2-D
+    return {
+        "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
+        "flops": 2.0 * M * N * K,
+        "bytes": es * (M * K + K * N + M * N + bias_elements),
+    }

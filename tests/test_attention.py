@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from params import CPU_DTYPES, DTYPES
+from params import CPU_DTYPES, DTYPES, attached_metadata
 
 from kernels import check
 from kernels.attention import (
@@ -254,7 +254,7 @@ def test_launch_metadata_names_shape_flops_and_bytes(dtype, causal):
         shape = f"B={B} H={H} Sq={Sq} Sk={Sk} D={D}" + (" causal" if causal else "")
         assert got == {"name": f"kernel_name [{shape}]", "flops": flops, "bytes": nbytes}, label
         # the kernel carries it (a JITFunction as an attribute, the interpreter among its kwargs)
-        carried = getattr(kernel, "launch_metadata", None) or kernel.kwargs["launch_metadata"]
+        carried = attached_metadata(kernel)
         assert carried is metadata, label
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from params import DTYPES
+from params import DTYPES, attached_metadata
 
 from kernels import batch_invariant as bi
 from kernels import check
@@ -139,12 +139,6 @@ def test_row_reductions_match_torch():
         assert r.ok, f"{fn.__name__}({kwargs}): {r.message}"
 
 
-def _metadata_of(kernel):
-    """The launch_metadata function a kernel was declared with (a compiled kernel keeps it as
-    an attribute, the interpreter among its options)."""
-    return getattr(kernel, "launch_metadata", None) or kernel.kwargs.get("launch_metadata")
-
-
 def test_launch_metadata_names_each_launch_with_its_shape_flops_and_bytes():
     """Each invariant kernel carries its metadata function, and each function's name and
     formulas, on the arguments a launch binds (by name), give these hand-counted values."""
@@ -157,7 +151,8 @@ def test_launch_metadata_names_each_launch_with_its_shape_flops_and_bytes():
          "row_mean_kernel [rows=3, cols=5]", 15, 30 + 12),
         (rows.softmax_kernel, dict(n_rows=3, n_cols=5, x_ptr=half, out_ptr=single),
          "softmax_kernel [rows=3, cols=5]", 105, 30 + 60),
-        (full_k_matmul.invariant_matmul_kernel, dict(M=3, N=5, K=7, c_ptr=half),
+        (full_k_matmul.invariant_matmul_kernel,
+         dict(M=3, N=5, K=7, bias_ptr=torch.empty((3, 5), dtype=torch.float16)),  # c stands in
          "invariant_matmul_kernel [M=3, N=5, K=7]", 210, 2 * (21 + 35 + 15)),
         (split_kv_attention.attention_split_kernel,
          dict(q_ptr=q, H=4, Sq=3, Sk=10, D=8, n_splits=2),
@@ -168,7 +163,7 @@ def test_launch_metadata_names_each_launch_with_its_shape_flops_and_bytes():
          "attention_combine_kernel [rows=24, splits=2, D=8]", 24 * (2 * 27 + 8), 1920 + 384),
     ]  # fmt: skip
     for kernel, args, name, flops, moved in cases:
-        metadata = _metadata_of(kernel)
+        metadata = attached_metadata(kernel)
         assert callable(metadata), f"{name}: no launch_metadata"
         got = metadata((1,), SimpleNamespace(name=name.split()[0]), args)
         assert got == {"name": name, "flops": flops, "bytes": moved}, name

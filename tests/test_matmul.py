@@ -2,7 +2,7 @@ import types
 
 import pytest
 import torch
-from params import CPU_DTYPES, DTYPES
+from params import CPU_DTYPES, DTYPES, attached_metadata
 
 from kernels import check
 from kernels import matmul as matmul_module
@@ -385,11 +385,6 @@ def test_gradients_of_empty_products():
 
 
 # Profiler names: launch_metadata(grid, compiled kernel, arguments by name) -> dict.
-def attached_metadata(kernel):
-    # a compiled kernel keeps the function as .launch_metadata, the interpreter among its kwargs
-    return getattr(kernel, "launch_metadata", None) or kernel.kwargs["launch_metadata"]
-
-
 @pytest.mark.parametrize("kernel", [matmul_kernel, matmul_tma_kernel], ids=lambda k: k.fn.__name__)
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 def test_launch_metadata_names_shape_flops_and_bytes(kernel, dtype):

@@ -2,7 +2,7 @@ import types
 
 import pytest
 import torch
-from params import DTYPES
+from params import DTYPES, attached_metadata
 
 from kernels import check
 from kernels import norm as norm_module
@@ -182,11 +182,6 @@ def test_offsets_past_2_to_the_31():
     check.assert_close(out[tail], rms_norm_ref(x[tail].double(), w.double()), op="reduction")
 
 
-def _attached_metadata(kernel):
-    # a compiled kernel keeps the function as .launch_metadata, the interpreter among its kwargs
-    return getattr(kernel, "launch_metadata", None) or kernel.kwargs["launch_metadata"]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_launch_metadata_names_shape_flops_and_bytes(dtype):
     rows, cols, programs = 300, 70, 8
@@ -212,11 +207,11 @@ def test_launch_metadata_names_shape_flops_and_bytes(dtype):
     }
     for name, (grid, args, per_element, moved) in cases.items():
         compiled = types.SimpleNamespace(name=name)
-        info = _attached_metadata(getattr(norm_module, name))(grid, compiled, args)
+        info = attached_metadata(getattr(norm_module, name))(grid, compiled, args)
         assert info["name"] == f"{name} [rows=300, cols=70]"
         assert info["flops"] == per_element * rows * cols
         assert info["bytes"] == moved, name
-    layer_norm = _attached_metadata(norm_module.norm_bwd_kernel)(
+    layer_norm = attached_metadata(norm_module.norm_bwd_kernel)(
         (programs,), compiled, {**backward, "db_part_ptr": partials.clone()}
     )
     assert layer_norm["flops"] == 13 * rows * cols  # and mean, db partials: twice the fp32

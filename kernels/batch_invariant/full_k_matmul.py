@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.batch_invariant.rows import add_combine
 from kernels.matmul import matmul_ref as matmul_ref  # the course's reference: the same maths
-from kernels.primitives import epilogue, grouped_tile
+from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import check_matmul_inputs, input_precision
 
@@ -42,21 +42,9 @@ CONFIGS = pick(
 )
 
 
-def matmul_metadata(grid, kernel, args) -> dict:
-    """Profiler metadata of one launch (see rows.py): 2*M*N*K FLOPs; a, b read and c written
-    once (the least traffic; the bias, N elements, left out)."""
-    M, N, K = args["M"], args["N"], args["K"]
-    size = args["c_ptr"].element_size()
-    return {
-        "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
-        "flops": 2 * M * N * K,
-        "bytes": size * (M * K + K * N + M * N),
-    }
-
-
 # M is not specialized: Triton would otherwise compile a different kernel for M == 1 or for M
 # divisible by 16, and the point is one kernel for every M.
-@triton.jit(do_not_specialize=["M"], launch_metadata=matmul_metadata)
+@triton.jit(do_not_specialize=["M"], launch_metadata=matmul_launch_metadata)
 def invariant_matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
