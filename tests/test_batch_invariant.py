@@ -209,10 +209,10 @@ def test_launch_metadata_names_each_launch_with_its_shape_flops_and_bytes():
         (full_k_matmul.invariant_matmul_kernel,
          dict(M=3, N=5, K=7, bias_ptr=torch.empty((3, 5), dtype=torch.float16)),  # c stands in
          "invariant_matmul_kernel [M=3, N=5, K=7]", 210, 2 * (21 + 35 + 15)),
-        (split_kv_attention.attention_split_kernel,
-         dict(q_ptr=q, H=4, Sq=3, Sk=10, D=8, n_splits=2),
+        (split_kv_attention.attention_split_kernel,  # k and v: H_kv = 4 // 2 heads
+         dict(q_ptr=q, H=4, GROUP=2, Sq=3, Sk=10, D=8, n_splits=2),
          "attention_split_kernel [B=2, H=4, Sq=3, Sk=10, D=8, splits=2]",
-         4 * 2 * 4 * 3 * 10 * 8, 2 * 8 * (24 + 2 * 80) + 4 * 24 * 2 * 10),
+         4 * 2 * 4 * 3 * 10 * 8, 2 * 8 * (24 + 2 * 40) + 4 * 24 * 2 * 10),
         (split_kv_attention.attention_combine_kernel,
          dict(n_rows=24, n_splits=2, D=8, out_ptr=half),
          "attention_combine_kernel [rows=24, splits=2, D=8]", 24 * (2 * 27 + 8), 1920 + 384),

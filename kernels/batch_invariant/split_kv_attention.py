@@ -44,14 +44,16 @@ CONFIG = pick(
 
 def split_metadata(grid, kernel, args) -> dict:
     """4*B*H*Sq*Sk*D FLOPs (q k^T and p v over every key: an upper bound, since causal masking
-    and kv_lens skip some); q, k, v read once, the fp32 partials (m, l, acc) written once."""
+    and kv_lens skip some); q, k, v read once (k and v have H // GROUP heads), the fp32
+    partials (m, l, acc) written once."""
     q, splits = args["q_ptr"], args["n_splits"]
     B, H, Sq, Sk, D = q.shape[0], args["H"], args["Sq"], args["Sk"], args["D"]
+    H_kv = H // args["GROUP"]
     partials = 4 * B * H * Sq * splits * (D + 2)
     return {
         "name": f"{kernel.name} [B={B}, H={H}, Sq={Sq}, Sk={Sk}, D={D}, splits={splits}]",
         "flops": 4 * B * H * Sq * Sk * D,
-        "bytes": q.element_size() * B * H * (Sq + 2 * Sk) * D + partials,
+        "bytes": q.element_size() * B * (H * Sq + 2 * H_kv * Sk) * D + partials,
     }
 
 
