@@ -1,6 +1,9 @@
 """Fused attention, FlashAttention-style: the forward kernel, the autograd Function, the reference.
 
-softmax(Q K^T * scale) V for (B, H, S, D) tensors without ever materializing the Sq x Sk scores.
+softmax(Q K^T * scale) V for q (B, H, Sq, D) and k, v (B, H_kv, Sk, D) without ever materializing
+the Sq x Sk scores. Grouped-query attention: H is a multiple of H_kv, and query head h reads
+key/value head h // (H // H_kv) in place (K and V are never copied). Any head dim from 1 to 256:
+the kernels compute on the next power of two (16 at least) and mask the padded columns.
 A program owns BLOCK_M query rows and streams over the keys and values BLOCK_N at a time, keeping
 a running max, a running sum and a rescaled fp32 accumulator (the online softmax). It reads its
 queries once and K, V once per query block, and writes O plus one log-sum-exp per row: O(S) memory
@@ -20,8 +23,9 @@ import triton.language as tl
 from kernels.attention_backward import attention_backward
 from kernels.attention_tuning import (
     CPU_CONFIG,
-    HEAD_DIMS,
+    MAX_HEAD_DIM,
     autotuned,
+    block_d,
     choose_config,
     forward_candidates,
     launch,
@@ -29,22 +33,31 @@ from kernels.attention_tuning import (
     profiler_metadata,
     with_32bit_head_offsets,
 )
-from kernels.primitives import LOG2E, head_index, head_tile, key_mask, key_ranges, kv_block
+from kernels.primitives import (
+    LOG2E,
+    head_index,
+    head_tile,
+    key_mask,
+    key_ranges,
+    kv_block,
+    tile_mask,
+)
 from kernels.validate import check_same, check_tensor, input_precision
 
 
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, start, end,
-                seq_k, diagonal, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, start,
+                end, seq_k, diagonal, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
     # Keys [start, end), BLOCK_N at a time. MASKED=False is the hot loop: whole blocks that every
     # row sees, so no masks at all; MASKED=True covers the ragged end and the causal diagonal.
     # Offsets come from the loop index, not from pointers carried through the loop: carried
-    # (BLOCK_N, HEAD_DIM) pointer tiles cost registers, which made the compiled kernel spill.
+    # (BLOCK_N, BLOCK_D) pointer tiles cost registers, which made the compiled kernel spill.
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = kv_block(k_ptrs, start_n, stride_kn, cols, seq_k, MASKED)
+        k = kv_block(k_ptrs, start_n, stride_kn, cols, seq_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         if MASKED:  # keys past the end, and with CAUSAL those after each row's diagonal
             s = tl.where(key_mask(offs_m, cols, seq_k, diagonal, CAUSAL), s, float("-inf"))
@@ -54,7 +67,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, 
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = kv_block(v_ptrs, start_n, stride_vn, cols, seq_k, MASKED)
+        v = kv_block(v_ptrs, start_n, stride_vn, cols, seq_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -70,10 +83,10 @@ def attention_fwd_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    H, SEQ_Q, SEQ_K, qk_scale,
+    H, GROUP, SEQ_Q, SEQ_K, qk_scale,  # GROUP = H // H_kv query heads per key/value head
     SEQ_Q_BUCKET, SEQ_K_BUCKET,  # the autotuner's key only
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows start first, so that they do not finish last
@@ -81,32 +94,35 @@ def attention_fwd_kernel(
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; HEAD_DIM exist
     rows_in = offs_m < SEQ_Q
     diagonal = SEQ_K - SEQ_Q  # the causal mask is aligned to the end: the last query sees all keys
+    head = tl.program_id(1)
+    kv_head = head // GROUP  # grouped-query attention: GROUP query heads share one K and V
 
-    q_ptrs = head_tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, offs_m, offs_d)
-    q = tl.load(q_ptrs, mask=rows_in[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM), read once
-    k_ptrs = head_tile(K, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
-    v_ptrs = head_tile(V, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
+    q_ptrs = head_tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, head, offs_m, offs_d)
+    q_in = tile_mask(rows_in, offs_d, HEAD_DIM, BLOCK_D)
+    q = tl.load(q_ptrs, mask=q_in, other=0.0)  # (BLOCK_M, BLOCK_D), read once
+    k_ptrs = head_tile(K, stride_kb, stride_kh, stride_kn, stride_kd, kv_head, offs_n, offs_d)
+    v_ptrs = head_tile(V, stride_vb, stride_vh, stride_vn, stride_vd, kv_head, offs_n, offs_d)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full, end = key_ranges(m0, SEQ_K, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m,
-                                0, full, SEQ_K, diagonal, qk_scale,
-                                BLOCK_N, False, CAUSAL, DOT_PRECISION)  # fmt: skip
+                                offs_d, 0, full, SEQ_K, diagonal, qk_scale, BLOCK_N, False,
+                                CAUSAL, DOT_PRECISION, HEAD_DIM, BLOCK_D)  # fmt: skip
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m,
-                                full, end, SEQ_K, diagonal, qk_scale,
-                                BLOCK_N, True, CAUSAL, DOT_PRECISION)  # fmt: skip
+                                offs_d, full, end, SEQ_K, diagonal, qk_scale, BLOCK_N, True,
+                                CAUSAL, DOT_PRECISION, HEAD_DIM, BLOCK_D)  # fmt: skip
 
     # Every row sees key 0, so l_i >= 1: no division by zero, no fully masked row.
     acc = acc / l_i[:, None]
     row0 = head_index(H) * SEQ_Q + m0  # O and LSE are ours: contiguous
     rows = tl.arange(0, BLOCK_M)
     o_ptrs = O + (row0 + rows[:, None]) * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=rows_in[:, None])
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=q_in)  # the padded columns: never
     # the natural-log LSE, max + log(sum), from the base-2 running values (times ln 2)
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     tl.store(LSE + row0 + rows, lse, mask=rows_in)
@@ -117,7 +133,8 @@ _attention_fwd_tuned = autotuned(attention_fwd_kernel, forward_candidates)
 
 def attention_forward(q, k, v, causal: bool, sm_scale: float, config=None):
     """(O, LSE) for checked inputs: O like q, contiguous; LSE (B, H, Sq) fp32, natural log.
-    `config` = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips the autotuner."""
+    k and v may have fewer heads than q (grouped-query). `config` = (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) skips the autotuner."""
     q, k, v = (with_32bit_head_offsets(t) for t in (q, k, v))
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
@@ -125,9 +142,10 @@ def attention_forward(q, k, v, causal: bool, sm_scale: float, config=None):
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, Sq, Sk,
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, H // k.shape[1], Sq, Sk,
             sm_scale * LOG2E.value, *length_buckets(Sq, Sk))  # fmt: skip
-    meta = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=input_precision(q.dtype))
+    meta = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal,
+                DOT_PRECISION=input_precision(q.dtype))  # fmt: skip
     config = choose_config(config, CPU_CONFIG, forward_candidates, q, k)
     launch(attention_fwd_kernel, _attention_fwd_tuned, args, meta, rows=Sq, block="BLOCK_M",
            config=config, B=B, H=H)  # fmt: skip
@@ -151,7 +169,9 @@ class _Attention(torch.autograd.Function):
 
 
 def check_attention_inputs(q, k, v, sm_scale):
-    """Validate (B, H, S, D) inputs; return the softmax scale (default 1/sqrt(D))."""
+    """Validate q (B, H, Sq, D), k and v (B, H_kv, Sk, D) with H a multiple of H_kv, Sq <= Sk and
+    1 <= D <= MAX_HEAD_DIM (256); return the softmax scale (default 1/sqrt(D)). Shared with the
+    batch-invariant attention, so that both accept the same shapes."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=4)
     check_same("q, k and v", q, k, v, shape=False)
@@ -159,16 +179,23 @@ def check_attention_inputs(q, k, v, sm_scale):
         raise ValueError(
             f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"q and k must share batch, heads and head dim (B, H, _, D): got q {tuple(q.shape)}, "
+            f"q and k must share batch and head dim (B, _, _, D): got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}"
         )
-    Sq, Sk, D = q.shape[2], k.shape[2], q.shape[3]
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head dim {D} is not supported; supported head dims: {HEAD_DIMS}")
+    (H, Sq, D), (H_kv, Sk) = q.shape[1:], k.shape[1:3]
+    if (H_kv == 0 and H != 0) or (H_kv != 0 and H % H_kv != 0):
+        raise ValueError(
+            f"q's heads H={H} must be a multiple of k and v's heads H_kv={H_kv} "
+            "(grouped-query attention: each key/value head serves H // H_kv query heads)"
+        )
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {D} is not supported: head dims 1 to {MAX_HEAD_DIM}")
     if Sq > Sk:
-        raise ValueError(f"Sq={Sq} > Sk={Sk}: the queries must be the last Sq of the Sk positions")
+        raise ValueError(
+            f"Sq={Sq} > Sk={Sk}: need Sq <= Sk, the queries being the last Sq of the Sk positions"
+        )
     if sm_scale is None:
         return 1.0 / math.sqrt(D)
     if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
@@ -177,11 +204,13 @@ def check_attention_inputs(q, k, v, sm_scale):
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * sm_scale) v over (B, H, S, D) tensors, differentiable.
+    """softmax(q k^T * sm_scale) v for q (B, H, Sq, D), k and v (B, H_kv, Sk, D), differentiable.
 
-    Sq <= Sk: the queries are the last Sq positions (decoding against a KV cache), so with
-    `causal` query i sees keys j <= i + Sk - Sq. sm_scale defaults to 1/sqrt(D). Head dims 16,
-    32, 64, 128; fp32 inputs follow torch.get_float32_matmul_precision() (IEEE at "highest").
+    Grouped-query attention: H a multiple of H_kv, query head h reads key/value head
+    h // (H // H_kv). Sq <= Sk: the queries are the last Sq positions (decoding against a KV
+    cache), so with `causal` query i sees keys j <= i + Sk - Sq. sm_scale defaults to 1/sqrt(D).
+    Any head dim from 1 to 256; fp32 inputs follow torch.get_float32_matmul_precision() (IEEE
+    at "highest").
     """
     sm_scale = check_attention_inputs(q, k, v, sm_scale)
     return _Attention.apply(q, k, v, bool(causal), sm_scale)
@@ -189,9 +218,13 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None) -> t
 
 def attention_ref(q, k, v, causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
     """Plain PyTorch, materializing the (B, H, Sq, Sk) scores; fp32 math (fp64 for fp64 inputs).
-    Bytes: reads q, k, v, then writes and reads back B*H*Sq*Sk scores and probabilities."""
+    Grouped-query k and v (fewer heads than q) are repeated to q's heads first. Bytes: reads
+    q, k, v, then writes and reads back B*H*Sq*Sk scores and probabilities."""
     Sq, Sk, D = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    if k.dim() == 4 and k.shape[1] != q.shape[1]:  # grouped-query: copies, as the kernels do not
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
     if causal:

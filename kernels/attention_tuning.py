@@ -2,9 +2,14 @@
 
 Configurations are (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M query rows, BLOCK_N keys.
 The GPU candidate lists come from `scripts/tune_attention.py` on the H200 (bf16, D = 64 and 128,
-causal or not, B*H*S = 16*32768 tokens): rerun it and update them together. Grids are
-(blocks, H, B): grid axis 1 is the head and axis 2 the batch, as `kernels.primitives.head_tile`
-reads them.
+causal or not, B*H*S = 16*32768 tokens): rerun it and update them together. The lists for head
+dims above 128 are NOT yet measured: they are chosen to fit Hopper's shared memory (see
+`shared_memory_estimate`). Grids are (blocks, H, B): grid axis 1 is the head and axis 2 the
+batch, as `kernels.primitives.head_tile` reads them (the dK/dV grid walks key/value heads).
+
+Head dims: any D from 1 to MAX_HEAD_DIM. The kernels run on BLOCK_D = block_d(D) columns, the
+next power of two (16 at least, tl.dot's smallest), and mask the padding: D = 80 costs what
+D = 128 costs in FLOPs and registers, but reads and writes only 80 columns.
 """
 
 import torch
@@ -12,7 +17,17 @@ import triton
 
 from kernels.runtime import ON_GPU
 
-HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 256  # one (BLOCK_N, D) tile of K and one of V per stage must fit shared memory
+# What the candidate lists are chosen from: padded head dims <= 64, <= 128, <= 256.
+HEAD_DIM_CLASSES = (64, 128, 256)
+# Hopper: 228 KB of shared memory per SM, at most 227 KB for one block.
+SHARED_MEMORY_PER_BLOCK = 227 * 1024
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim the kernels compute on: the next power of two, at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
 
 # The interpreter runs programs one after another in Python: on a CPU small blocks keep the
 # tests fast and still cross many block boundaries.
@@ -23,45 +38,69 @@ CPU_DQ_CONFIG = (32, 16, 4, 1)
 
 def forward_candidates(dtype, head_dim: int, seq_q: int) -> list:
     """The configurations the GPU autotuner times for the forward kernel. Compiled for the H200
-    with triton 3.6, none of the 16-bit ones spills registers."""
+    with triton 3.6, none of the 16-bit ones for D <= 128 spills registers."""
+    d = block_d(head_dim)
     if dtype == torch.float32:  # IEEE fp32 dots run on FMA units and need small tiles
         return [(32, 16, 4, 2)]
+    if d > 128:  # not yet measured: a (64, 256) fp32 accumulator is 128 registers a thread
+        return [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)]
     if seq_q <= 64:  # decoding: a few query rows against a long KV cache
         return [(64, 64, 4, 3), (64, 32, 4, 4)]
-    if head_dim <= 64:
+    if d <= 64:
         return [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
     return [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (128, 128, 8, 2)]
 
 
 def dkdv_candidates(dtype, head_dim: int, seq_q: int) -> list:
     """Configurations the GPU autotuner times for the dK/dV kernel (BLOCK_N keys per program).
-    Compiled for the H200 with triton 3.6, none of the 16-bit ones spills registers."""
+    Compiled for the H200 with triton 3.6, none of the 16-bit ones for D <= 128 spills."""
+    d = block_d(head_dim)
     if dtype == torch.float32:
         return [(16, 32, 4, 2)]
+    if d > 128:  # not yet measured: dK and dV accumulate (BLOCK_N, 256) fp32 tiles each
+        return [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 8, 2), (32, 64, 8, 2)]
     if seq_q <= 64:
         return [(32, 64, 4, 3), (32, 64, 8, 3)]
-    if head_dim <= 64:
+    if d <= 64:
         return [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)]
     return [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (64, 64, 8, 3)]
 
 
 def dq_candidates(dtype, head_dim: int, seq_q: int) -> list:
     """Configurations the GPU autotuner times for the dQ kernel (BLOCK_M queries per program)."""
+    d = block_d(head_dim)
     if dtype == torch.float32:
         return [(32, 16, 4, 2)]
+    if d > 128:  # not yet measured: Q, dO and the dQ accumulator stay resident
+        return [(32, 32, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 4, 2)]
     if seq_q <= 64:
         return [(64, 64, 4, 3)]
-    if head_dim <= 64:
+    if d <= 64:
         return [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)]
     return [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)]
 
 
+def shared_memory_estimate(kernel: str, config: tuple, head_dim: int, element_size: int) -> int:
+    """Bytes of shared memory a configuration needs, at most: the tiles a program keeps (its
+    own rows: Q; K and V for dK/dV; Q and dO for dQ) once, the tiles it streams (K and V, or Q
+    and dO) once per pipeline stage, and one (BLOCK_M, BLOCK_N) probability tile on its way to
+    the second dot. Meant as an upper bound (Triton may keep fewer buffers, or keep some tiles in
+    registers). Every candidate, the measured ones for D <= 128 and the unmeasured ones above,
+    is under SHARED_MEMORY_PER_BLOCK by it; the GPU tests compile and check each of them."""
+    bm, bn, _, stages = config
+    d = block_d(head_dim)
+    kept, streamed = {"forward": (bm, bn), "dkdv": (bn, bm), "dq": (bm, bn)}[kernel]
+    tiles = 2 * kept * d if kernel != "forward" else kept * d  # Q; K and V; Q and dO
+    tiles += stages * 2 * streamed * d + bm * bn
+    return element_size * tiles
+
+
 def autotuned(kernel, candidates):
     """`kernel` under triton.autotune: times `candidates(dtype, head_dim, seq_q)` once per
-    (power-of-two length buckets, head dim, causal, dtype), and keeps the timings on disk
-    for later processes. Used on a GPU only."""
-    every = {c for dt in (torch.float32, torch.float16) for d in HEAD_DIMS for sq in (1, 4096)
-             for c in candidates(dt, d, sq)}  # fmt: skip
+    (power-of-two length buckets, head dim, query heads per key/value head, causal, dtype), and
+    keeps the timings on disk for later processes. Used on a GPU only."""
+    every = {c for dt in (torch.float32, torch.float16) for d in HEAD_DIM_CLASSES
+             for sq in (1, 4096) for c in candidates(dt, d, sq)}  # fmt: skip
     configs = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in sorted(every)
@@ -74,7 +113,7 @@ def autotuned(kernel, candidates):
 
     return triton.autotune(
         configs=configs,
-        key=["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "CAUSAL"],
+        key=["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL"],
         prune_configs_by={"early_config_prune": prune},
         cache_results=True,
     )(kernel)

@@ -6,7 +6,8 @@
 - epilogue: bias and activation applied to a matmul's fp32 tile before its one store.
 - matmul_launch_metadata: what a profiler shows for a launch of any of the matmul kernels.
 - attention's forward and backward kernels share the grid's (batch, head) addressing
-  (head_index, head_tile), the causal rule (causal_sees, key_mask), the key ranges of a query
+  (head_index, head_tile: grouped-query heads included), the padded head dim's mask
+  (tile_mask), the causal rule (causal_sees, key_mask), the key ranges of a query
   block (key_ranges) and the key/value block load (kv_block): a mask or a range fixed in one
   place cannot desynchronize the forward from its gradients.
 
@@ -57,19 +58,33 @@ def epilogue(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.cons
 @triton.jit
 def head_index(H):
     """This program's (batch, head) slice, b * H + h, in 64 bits (B*H*S*D may pass 2**31).
-    Attention grids are (blocks, H, B): axis 1 is the head, axis 2 the batch."""
+    Attention grids are (blocks, H, B): axis 1 is the head, axis 2 the batch. `H` is the number
+    of heads the grid walks: the query heads, or the key/value heads for the dK/dV kernel."""
     return tl.program_id(2).to(tl.int64) * H + tl.program_id(1).to(tl.int64)
 
 
 @triton.jit
-def head_tile(X, stride_b, stride_h, stride_s, stride_d, rows, offs_d):
-    """Pointers to `rows` x `offs_d` of this program's (batch, head) slice of a strided
-    (B, H, S, D) tensor: a 64-bit offset to the slice, then one tile of 32-bit offsets inside it
-    (the launchers' `with_32bit_head_offsets` makes sure they fit), added to it at once."""
-    off_h = tl.program_id(1).to(tl.int64)
+def head_tile(X, stride_b, stride_h, stride_s, stride_d, head, rows, offs_d):
+    """Pointers to `rows` x `offs_d` of head `head` of this program's batch (grid axis 2) of a
+    strided (B, H, S, D) tensor: a 64-bit offset to the slice, then one tile of 32-bit offsets
+    inside it (the launchers' `with_32bit_head_offsets` makes sure they fit), added at once.
+    With grouped-query attention a key/value head serves several query heads: the caller says
+    which head (q's own, or h // GROUP for k and v), so K and V are never copied."""
     off_b = tl.program_id(2).to(tl.int64)
-    head = X + off_b * stride_b + off_h * stride_h
-    return head + (rows[:, None] * stride_s + offs_d[None, :] * stride_d)
+    base = X + off_b * stride_b + head.to(tl.int64) * stride_h
+    return base + (rows[:, None] * stride_s + offs_d[None, :] * stride_d)
+
+
+@triton.jit
+def tile_mask(rows_in, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The elements of a (rows, BLOCK_D) tile that exist: rows in range and, when the head dim is
+    padded to the power of two BLOCK_D (D = 80 runs as 128), columns below HEAD_DIM. Padded
+    columns load as 0, so they add exact zeros to every dot product, and are never stored."""
+    if BLOCK_D == HEAD_DIM:
+        mask = rows_in[:, None]
+    else:
+        mask = rows_in[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return mask
 
 
 @triton.jit
@@ -105,14 +120,19 @@ def key_ranges(m0, seq_k, diagonal, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def kv_block(ptrs, start_n, stride_n, cols, seq_k, MASKED: tl.constexpr):
-    """Keys (or values) `cols` = start_n + arange(BLOCK_N), from a (BLOCK_N, D) pointer tile at
-    key 0 moved by the loop index. The hot loop (MASKED=False) reads whole blocks with no mask;
-    a masked block loads 0 past seq_k."""
+def kv_block(ptrs, start_n, stride_n, cols, seq_k, offs_d, MASKED: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Keys (or values) `cols` = start_n + arange(BLOCK_N), from a (BLOCK_N, BLOCK_D) pointer
+    tile at key 0 moved by the loop index. The hot loop (MASKED=False) reads whole blocks with
+    no mask when the head dim is a power of two (a padded one masks its columns alone); a masked
+    block loads 0 past seq_k."""
     if MASKED:
-        block = tl.load(ptrs + start_n * stride_n, mask=cols[:, None] < seq_k, other=0.0)
-    else:
+        mask = tile_mask(cols < seq_k, offs_d, HEAD_DIM, BLOCK_D)
+        block = tl.load(ptrs + start_n * stride_n, mask=mask, other=0.0)
+    elif BLOCK_D == HEAD_DIM:
         block = tl.load(ptrs + start_n * stride_n)
+    else:
+        block = tl.load(ptrs + start_n * stride_n, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     return block
 
 

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_checks import make_inputs, reference, run_and_check, sdpa_baseline
 from params import CPU_DTYPES, DTYPES, attached_metadata
 
 from kernels import check
@@ -45,63 +45,6 @@ GPU_SHAPES = [
     for s in [(2, 3, 113, 203, 64), (1, 2, 203, 203, 128), (2, 2, 1, 1000, 128),
               (1, 4, 1025, 1025, 64), (1, 2, 127, 4097, 128), (3, 1, 129, 129, 16)]
 ]  # fmt: skip
-
-
-def make_inputs(shape, dtype, seed=0, scale=1.0):
-    B, H, Sq, Sk, D = shape
-    q = check.random_tensor((B, H, Sq, D), dtype, seed=seed, scale=scale)
-    k = check.random_tensor((B, H, Sk, D), dtype, seed=seed + 1, scale=scale)
-    v = check.random_tensor((B, H, Sk, D), dtype, seed=seed + 2)
-    do = check.random_tensor((B, H, Sq, D), dtype, seed=seed + 3)
-    return q, k, v, do
-
-
-def reference(q, k, v, do, causal, sm_scale=None):
-    """fp64 output and gradients through autograd on the plain PyTorch reference."""
-    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out = attention_ref(q64, k64, v64, causal, sm_scale)
-    out.backward(do.double())
-    return out, q64.grad, k64.grad, v64.grad
-
-
-def sdpa(q, k, v, causal=False, sm_scale=None):
-    """torch's own same-dtype attention: the 'at most 2x torch's error' baseline."""
-    Sq, Sk = q.shape[2], k.shape[2]
-    mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq) if causal else None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale)
-
-
-def sdpa_baseline(q, k, v, do, causal):
-    """sdpa's output and gradients."""
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = sdpa(q, k, v, causal)
-    out.backward(do)
-    return out, q.grad, k.grad, v.grad
-
-
-def run_and_check(q, k, v, do, causal, dtype, sm_scale=None, baseline=False):
-    # the forward's values through the shared checker: poisoned outputs, the fp64 reference,
-    # dtype and contiguity of the output, inputs unchanged
-    result = check.against_fp64(attention, q, k, v, ref=attention_ref, op="attention",
-                                baseline=sdpa if baseline else None, causal=causal,
-                                sm_scale=sm_scale)  # fmt: skip
-    assert result.ok, f"out: {result.message}"
-    # the gradients, against autograd through the fp64 reference
-    q0, k0, v0 = q.clone(), k.clone(), v.clone()
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    with check.poisoned_allocations():  # elements the kernels fail to write show up as NaN
-        out = attention(q, k, v, causal=causal, sm_scale=sm_scale)
-        out.backward(do)
-    expected = reference(q, k, v, do, causal, sm_scale)
-    theirs = sdpa_baseline(q, k, v, do, causal) if baseline else [None] * 4
-    for name, got, want, base in zip(
-        ("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), expected, theirs, strict=True
-    ):
-        result = check.compare(got, want, op="attention", dtype=dtype, baseline=base)
-        assert result.ok, f"{name}: {result.message}"
-    assert torch.equal(q.detach(), q0) and torch.equal(k.detach(), k0)
-    assert torch.equal(v.detach(), v0), "inputs must not be modified"
-    return out
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -187,17 +130,21 @@ def test_empty_inputs():
 
 def test_bad_inputs_get_clear_errors():
     q, k, v, _ = make_inputs((1, 2, 8, 8, 16), torch.float32)
-    with pytest.raises(ValueError, match="head dim 80 is not supported.*16, 32, 64, 128"):
-        x = torch.ones(1, 2, 8, 80, device=DEVICE)
+    with pytest.raises(ValueError, match="head dim 257 is not supported: head dims 1 to 256"):
+        x = torch.ones(1, 2, 8, 257, device=DEVICE)
         attention(x, x, x)
+    with pytest.raises(ValueError, match="head dim 0 is not supported"):
+        attention(q[..., :0], k[..., :0], v[..., :0])
     with pytest.raises(TypeError, match="share a dtype"):
         attention(q, k.half(), v)
     with pytest.raises(TypeError, match="supported: float32, float16, bfloat16"):
         attention(q.int(), k.int(), v.int())
     with pytest.raises(ValueError, match="Sq=8 > Sk=4"):
         attention(q, k[:, :, :4], v[:, :, :4])
-    with pytest.raises(ValueError, match=r"batch, heads and head dim.*\(1, 2, 8, 16\).*\(1, 1, 8"):
-        attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match=r"batch and head dim.*\(1, 2, 8, 16\).*\(1, 2, 8, 8"):
+        attention(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match=r"batch and head dim.*\(2, 2, 8, 16\)"):
+        attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
     with pytest.raises(ValueError, match="k and v must have the same shape"):
         attention(q, k, v[:, :, :5])
     with pytest.raises(ValueError, match="must have 4 dims"):

@@ -125,6 +125,61 @@ def test_attention_edge_cases():
         bi.attention(q, k, k, kv_lens=torch.ones(2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_grouped_query_with_kv_lens(dtype):
+    """H = 6 query heads on H_kv = 2 key/value heads, decoding a padded batch: the reference's
+    values, each sequence's bits alone, and the bits of k and v copied out to H heads."""
+    lens, (H, h_kv, D) = [3, 70, 2], (6, 2, 16)
+    B, L = len(lens), max(lens) + 5
+    q = _inputs((B, H, 2, D), dtype, seed=22)
+    k, v = _inputs((B, h_kv, L, D), dtype, seed=23), _inputs((B, h_kv, L, D), dtype, seed=24)
+    r = check.against_fp64(
+        bi.attention, q, k, v, causal=True, kv_lens=lens, ref=bi.attention_ref, op="attention"
+    )
+    assert r.ok, r.message
+    out = bi.attention(q, k, v, causal=True, kv_lens=lens)
+    copied = [t.repeat_interleave(H // h_kv, dim=1) for t in (k, v)]
+    assert torch.equal(out, bi.attention(q, *copied, causal=True, kv_lens=lens))
+    for b, n in enumerate(lens):
+        alone = bi.attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], causal=True)
+        assert torch.equal(out[b : b + 1], alone), f"sequence {b} (length {n})"
+
+
+@pytest.mark.parametrize("D", [80, 256], ids=lambda d: f"D={d}")
+def test_attention_head_dims_up_to_256(D):
+    q = _inputs((1, 2, 3, D), torch.float32, seed=25)
+    k, v = _inputs((1, 1, 70, D), torch.float32, seed=26), _inputs((1, 1, 70, D), torch.float32, 27)
+    r = check.against_fp64(bi.attention, q, k, v, causal=True, ref=bi.attention_ref, op="attention")
+    assert r.ok, r.message
+
+
+def test_attention_limits_are_clear_errors_before_launch():
+    for D in (257, 1024):  # 1024: KernelBench level 1 problem 97, which crashed inside Triton
+        x = torch.ones(1, 1, 4, D, device=DEVICE)
+        with pytest.raises(ValueError, match=f"head dim {D} is not supported: head dims 1 to 256"):
+            bi.attention(x, x, x)
+    q, k = torch.ones(1, 3, 4, 16, device=DEVICE), torch.ones(1, 2, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"H=3 must be a multiple of .* H_kv=2"):
+        bi.attention(q, k, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [64, 80, 256], ids=lambda d: f"D={d}")
+def test_gpu_attention_grouped_query_head_dims(D, dtype):
+    lens = [1, 300, 1000, 517]
+    q = _inputs((4, 32, 1, D), dtype, seed=28)
+    k, v = _inputs((4, 8, 1000, D), dtype, seed=29), _inputs((4, 8, 1000, D), dtype, seed=30)
+    r = check.against_fp64(
+        bi.attention, q, k, v, causal=True, kv_lens=lens, ref=bi.attention_ref, op="attention"
+    )
+    assert r.ok, r.message
+    out = bi.attention(q, k, v, causal=True, kv_lens=lens)
+    for b, n in enumerate(lens):
+        alone = bi.attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], causal=True)
+        assert torch.equal(out[b : b + 1], alone), f"sequence {b} (length {n})"
+
+
 def test_row_reductions_match_torch():
     x = _inputs((5, 3, 1000), torch.float32, seed=17, scale=3.0)
     masked = x.masked_fill(x < 1.0, float("-inf"))
@@ -154,10 +209,10 @@ def test_launch_metadata_names_each_launch_with_its_shape_flops_and_bytes():
         (full_k_matmul.invariant_matmul_kernel,
          dict(M=3, N=5, K=7, bias_ptr=torch.empty((3, 5), dtype=torch.float16)),  # c stands in
          "invariant_matmul_kernel [M=3, N=5, K=7]", 210, 2 * (21 + 35 + 15)),
-        (split_kv_attention.attention_split_kernel,
-         dict(q_ptr=q, H=4, Sq=3, Sk=10, D=8, n_splits=2),
+        (split_kv_attention.attention_split_kernel,  # k and v: H_kv = 4 // 2 heads
+         dict(q_ptr=q, H=4, GROUP=2, Sq=3, Sk=10, D=8, n_splits=2),
          "attention_split_kernel [B=2, H=4, Sq=3, Sk=10, D=8, splits=2]",
-         4 * 2 * 4 * 3 * 10 * 8, 2 * 8 * (24 + 2 * 80) + 4 * 24 * 2 * 10),
+         4 * 2 * 4 * 3 * 10 * 8, 2 * 8 * (24 + 2 * 40) + 4 * 24 * 2 * 10),
         (split_kv_attention.attention_combine_kernel,
          dict(n_rows=24, n_splits=2, D=8, out_ptr=half),
          "attention_combine_kernel [rows=24, splits=2, D=8]", 24 * (2 * 27 + 8), 1920 + 384),

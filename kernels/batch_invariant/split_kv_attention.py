@@ -1,7 +1,9 @@
 """Batch-invariant attention: split-KV with a fixed split SIZE, for prefill and decoding alike.
 
-softmax(q k^T * sm_scale) v for q (B, H, Sq, D) and k, v (B, H, Sk, D). A query's output must
-have the same bits whether it is computed in a full prefill, in a chunk of a prefill, or alone
+softmax(q k^T * sm_scale) v for q (B, H, Sq, D) and k, v (B, H_kv, Sk, D): grouped-query heads,
+H a multiple of H_kv, query head h reading key/value head h // (H // H_kv) in place; head dims
+1 to 256 (as `kernels.attention`), padded to a power of two inside the kernels. A query's output
+must have the same bits whether it is computed in a full prefill, in a chunk of a prefill, or alone
 in one decoding step over the KV cache, and whatever else is in the batch. So:
 
 - the KV cache is updated before the kernel: cached and new keys are reduced together;
@@ -17,17 +19,17 @@ Workspace: (B, H, Sq, n_splits) x (D + 2) fp32 partial results. Bytes: q, k, v r
 the workspace written and read once, the output written once.
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention import attention_ref as course_attention_ref
+from kernels.attention import check_attention_inputs
+from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
 from kernels.primitives import LOG2E
 from kernels.runtime import INTERPRET, pick
-from kernels.validate import check_same, check_tensor, input_precision
+from kernels.validate import input_precision
 
 # Fixed for every shape. The interpreter pays per operation, so on a CPU the tiles are larger
 # and the split smaller (so that small tests still cross split boundaries).
@@ -42,14 +44,16 @@ CONFIG = pick(
 
 def split_metadata(grid, kernel, args) -> dict:
     """4*B*H*Sq*Sk*D FLOPs (q k^T and p v over every key: an upper bound, since causal masking
-    and kv_lens skip some); q, k, v read once, the fp32 partials (m, l, acc) written once."""
+    and kv_lens skip some); q, k, v read once (k and v have H // GROUP heads), the fp32
+    partials (m, l, acc) written once."""
     q, splits = args["q_ptr"], args["n_splits"]
     B, H, Sq, Sk, D = q.shape[0], args["H"], args["Sq"], args["Sk"], args["D"]
+    H_kv = H // args["GROUP"]
     partials = 4 * B * H * Sq * splits * (D + 2)
     return {
         "name": f"{kernel.name} [B={B}, H={H}, Sq={Sq}, Sk={Sk}, D={D}, splits={splits}]",
         "flops": 4 * B * H * Sq * Sk * D,
-        "bytes": q.element_size() * B * H * (Sq + 2 * Sk) * D + partials,
+        "bytes": q.element_size() * B * (H * Sq + 2 * H_kv * Sk) * D + partials,
     }
 
 
@@ -64,10 +68,10 @@ def combine_metadata(grid, kernel, args) -> dict:
     }
 
 
-@triton.jit(do_not_specialize=["H", "Sq", "Sk"], launch_metadata=split_metadata)
+@triton.jit(do_not_specialize=["H", "GROUP", "Sq", "Sk"], launch_metadata=split_metadata)
 def attention_split_kernel(
     q_ptr, k_ptr, v_ptr, kv_lens_ptr, m_ptr, l_ptr, acc_ptr,
-    H, Sq, Sk, D, n_splits, qk_scale,
+    H, GROUP, Sq, Sk, D, n_splits, qk_scale,  # GROUP = H // H_kv query heads per k/v head
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     HAS_KV_LENS: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -80,6 +84,7 @@ def attention_split_kernel(
     split = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    kv_h = h // GROUP  # grouped-query: the key/value head this query head reads, not a copy
     if HAS_KV_LENS:
         kv_len = tl.load(kv_lens_ptr + b)
     else:
@@ -94,8 +99,8 @@ def attention_split_kernel(
         mask=(offs_m[:, None] < Sq) & d_ok,
         other=0.0,
     )
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
+    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
     lo = split * SPLIT_SIZE
     hi = tl.minimum(lo + SPLIT_SIZE, kv_len)
@@ -176,24 +181,16 @@ def attention_combine_kernel(
 
 
 def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tensor:
-    """softmax(q k^T * sm_scale) v over the last two dims of (B, H, S, D) tensors; fp32
-    arithmetic, output in q's dtype and shape. Sq <= Sk; with `causal`, query i sees keys
-    <= i + Sk - Sq. `kv_lens` (B ints, a tensor or a list): sequence b's keys are its first
-    kv_lens[b] positions (the rest is padding) and causal alignment is to kv_lens[b].
-    A query that sees no key gets zeros. Bits do not depend on the batch or on Sq."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, ndim=4)
-    check_same("q, k and v", q, k, v, shape=False)
-    check_same("k and v", k, v)
+    """softmax(q k^T * sm_scale) v for q (B, H, Sq, D), k and v (B, H_kv, Sk, D), H a multiple
+    of H_kv (grouped-query), head dims 1 to 256; fp32 arithmetic, output in q's dtype and shape.
+    Sq <= Sk; with `causal`, query i sees keys <= i + Sk - Sq. `kv_lens` (B ints, a tensor or
+    a list): sequence b's keys are its first kv_lens[b] positions (the rest is padding) and
+    causal alignment is to kv_lens[b]. A query that sees no key gets zeros. Bits do not depend
+    on the batch or on Sq."""
+    sm_scale = check_attention_inputs(q, k, v, sm_scale)  # shapes, heads, head dim, scale
     B, H, Sq, D = q.shape
-    Sk = k.shape[2]
-    if k.shape[:2] != (B, H) or k.shape[3] != D or Sq > Sk:
-        raise ValueError(
-            f"expected q (B, H, Sq, D), k and v (B, H, Sk, D) with Sq <= Sk, got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}"
-        )
+    Sk, group = k.shape[2], H // max(k.shape[1], 1)
     lens = _kv_lens(kv_lens, B, Sk, q.device)
-    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
@@ -202,7 +199,7 @@ def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tenso
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cfg = CONFIG
     n_splits = triton.cdiv(Sk, cfg["SPLIT_SIZE"])
-    block_d = max(triton.next_power_of_2(D), 16)
+    block_d = padded_head_dim(D)
     n_rows = B * H * Sq
     part_m = torch.empty((n_rows * n_splits,), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -210,19 +207,27 @@ def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tenso
     grid = (B * H, triton.cdiv(Sq, cfg["BLOCK_M"]), n_splits)
     attention_split_kernel[grid](
         q, k, v, lens if lens is not None else part_m, part_m, part_l, part_acc,
-        H, Sq, Sk, D, n_splits, sm_scale * LOG2E.value,
+        H, group, Sq, Sk, D, n_splits, sm_scale * LOG2E.value,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HAS_KV_LENS=lens is not None, CAUSAL=bool(causal),
         INPUT_PRECISION=input_precision(q.dtype), USE_DOT=not INTERPRET,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-        SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=2,
+        SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=split_stages(q.dtype, block_d),
     )  # fmt: skip
     attention_combine_kernel[(triton.cdiv(n_rows, cfg["BLOCK_R"]),)](
         part_m, part_l, part_acc, out, n_rows, n_splits, D,
         BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def split_stages(dtype, block_d: int) -> int:
+    """Pipeline stages of the split kernel: 2, but 1 for fp32 past D = 128, where two stages of
+    (BLOCK_N, 256) fp32 K and V tiles (64 KB each) would not fit Hopper's 227 KB a block. Fixed by
+    the dtype and head dim alone, never by the batch; stages change when a load is issued, not the
+    order of any addition."""
+    return 1 if dtype == torch.float32 and block_d > 128 else 2
 
 
 def _kv_lens(kv_lens, B, Sk, device):
