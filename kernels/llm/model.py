@@ -171,9 +171,7 @@ def _cache_rows(slots, B, cache_batch, device) -> torch.Tensor:
         return torch.arange(B, device=device)
     ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
     if len(ids) != B or len(set(ids)) != B or not all(0 <= s < cache_batch for s in ids):
-        raise ValueError(
-            f"slots must be {B} distinct rows of the cache's {cache_batch}, got {ids}"
-        )
+        raise ValueError(f"slots must be {B} distinct rows of the cache's {cache_batch}, got {ids}")
     return torch.tensor(ids, dtype=torch.int64, device=device)
 
 

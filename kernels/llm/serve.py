@@ -79,8 +79,10 @@ def serve(model, requests, max_batch, cache_length=None, stop_ids=(), progress=F
 
 def _positions_needed(i, request) -> int:
     if not request.prompt_ids or request.max_new_tokens < 1:
-        raise ValueError(f"request {i} needs a prompt and max_new_tokens >= 1, got "
-                         f"{len(request.prompt_ids)} tokens and {request.max_new_tokens}")  # fmt: skip
+        raise ValueError(
+            f"request {i} needs a prompt and max_new_tokens >= 1, got "
+            f"{len(request.prompt_ids)} tokens and {request.max_new_tokens}"
+        )
     # the last token is sampled but never fed back: it needs no position of its own
     return len(request.prompt_ids) + request.max_new_tokens - 1
 
