@@ -329,6 +329,21 @@ def test_generate_command_on_the_tiny_config(capsys):
     assert out.endswith("\n") and len(out) > 1
 
 
+def test_generate_command_samples_reproducibly_and_decodes_invariantly(capsys):
+    sampled = ["generate", FEYNMAN, "--config", "tiny", "--tokens", "12", "--temperature", "1"]
+    replies = []
+    for seed in ("3", "3", "4"):
+        assert main([*sampled, "--seed", seed]) == 0
+        replies.append(capsys.readouterr().out)
+    assert replies[0] == replies[1] != replies[2]
+    assert main(["generate", FEYNMAN, "--config", "tiny", "--tokens", "4", "--invariant"]) == 0
+    invariant = capsys.readouterr().out
+    with bi.batch_invariant_mode():  # the same tokens as generate() in the mode
+        model = llm.load_model("tiny", device=CPU, backend="kernels")
+        ids = llm.generate(model, tokenizer_module.ByteTokenizer().chat(FEYNMAN), 4)
+    assert invariant == tokenizer_module.ByteTokenizer().decode(ids) + "\n"
+
+
 @pytest.mark.slow
 def test_generate_command_replies_and_prints_no_path(capsys):
     assert main(["generate", FEYNMAN, "--tokens", "12"]) == 0
