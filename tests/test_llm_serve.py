@@ -149,3 +149,23 @@ def test_first_divergence_and_distinct_completions():
     assert serve.first_divergence([[1, 2], [1, 2]]) is None
     assert serve.first_divergence([[1, 2], [1, 2, 3]]) == 2
     assert serve.distinct_completions([[1], [2], [1]]) == {(1,): 2, (2,): 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_the_gpu_the_mode_gives_one_answer_and_cublas_more(dtype):
+    """Chapter 5's traffic at a tenth of its size: with cuBLAS and SDPA the copies disagree (in
+    fp32: bf16 rounds the twins' 3e-7 apart to a tie), with batch_invariant_mode() (on either
+    backend) they agree, bit for bit."""
+    traffic = dict(copies=100, new_tokens=32, fillers=20, max_batch=64, spread=150)
+    model = llm.load_model("tiny", dtype=dtype)
+    default = serve.run_experiment(model, TOK, PROMPT, **traffic)
+    if dtype == torch.float32:
+        assert default["distinct"] > 1, "the negative control: torch's kernels should disagree"
+    for backend in llm.BACKENDS:
+        model.backend = backend
+        with bi.batch_invariant_mode():
+            result = serve.run_experiment(model, TOK, PROMPT, **traffic)
+        assert result["distinct"] == 1 and result["first_divergence"] is None, backend
+        logprobs = {tuple(r.logprobs) for r in result["requests"][: traffic["copies"]]}
+        assert len(logprobs) == 1, backend
