@@ -356,3 +356,18 @@ def test_byte_tokenizer_round_trip():
     byte_tok = tokenizer_module.ByteTokenizer()
     for text in TEXTS:
         assert byte_tok.decode(byte_tok.encode(text)) == text
+
+
+@pytest.mark.slow
+def test_the_server_serves_the_real_model_on_torchs_ops(model, tok):
+    """A few copies among other requests, batched two at a time: in fp32 their greedy tokens
+    are those of generate() alone (the rounding differences stay below every margin here)."""
+    from kernels.llm import serve
+
+    result = serve.run_experiment(
+        model, tok, FEYNMAN, copies=3, new_tokens=6, fillers=2, max_batch=2, spread=3
+    )
+    alone = llm.generate(model, tok.chat(FEYNMAN), 6)
+    assert result["distinct"] == 1 and result["first_divergence"] is None
+    assert [r.tokens for r in result["requests"][:3]] == [alone] * 3
+    assert result["texts"][0] == tok.decode(alone) and "Feynman" in result["texts"][0]
