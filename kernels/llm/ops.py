@@ -62,7 +62,7 @@ def attention(q, k, v, kv_lens, backend):
     lens = kv_lens.tolist() if isinstance(kv_lens, torch.Tensor) else list(kv_lens)
     for n in sorted(set(lens)):
         rows = torch.tensor([b for b, m in enumerate(lens) if m == n], device=q.device)
-        out[rows] = course_attention.attention(q[rows], k[rows, :, :n], v[rows, :, :n], True)
+        out[rows] = course_attention.attention(q[rows], k[rows, :, :n], v[rows, :, :n], causal=True)
     return out
 
 
