@@ -53,16 +53,22 @@ def record_command(args) -> int:
 
 
 def generate_command(args) -> int:
-    """The model's reply to one chat message, fp32 on a CPU (its weights' dtype on a GPU: bf16)."""
+    """The model's reply to one chat message, fp32 on a CPU (its weights' dtype on a GPU: bf16).
+    --invariant decodes inside batch_invariant_mode() on the course's batch-invariant kernels
+    (on a CPU, Triton's interpreter: minutes a token for the real model; try --config tiny)."""
+    import contextlib
+
     import torch
 
     from kernels import llm
+    from kernels.batch_invariant import batch_invariant_mode
     from kernels.runtime import ON_GPU
 
     config = llm.CONFIGS[args.config]
     dtype = torch.bfloat16 if ON_GPU else torch.float32
+    backend = "kernels" if args.invariant else args.backend
     try:
-        model = llm.load_model(args.config, dtype=dtype)
+        model = llm.load_model(args.config, dtype=dtype, backend=backend)
         # the tiny config's vocabulary is bytes; the others decode with the file's tokenizer
         if config.vocab_size == 256:
             tok = llm.tokenizer.ByteTokenizer()
@@ -72,9 +78,17 @@ def generate_command(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     stop = () if tok.eos_id is None else (tok.eos_id,)
-    ids = llm.generate(
-        model, tok.chat(args.prompt), args.tokens, stop_ids=stop, progress=args.tokens > 32
-    )
+    mode = batch_invariant_mode() if args.invariant else contextlib.nullcontext()
+    with mode:
+        ids = llm.generate(
+            model,
+            tok.chat(args.prompt),
+            args.tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            stop_ids=stop,
+            progress=args.tokens > 32 or args.invariant,
+        )
     ids = ids[:-1] if ids and ids[-1] in stop else ids
     print(tok.decode([i for i in ids if i < tok.vocab_size]))
     return 0
@@ -105,6 +119,21 @@ def main(argv=None) -> int:
         choices=["smollm2-135m", "tiny", "llama-1b-shape"],
         help="smollm2-135m: the real model; the others: random weights of that shape",
     )
+    p.add_argument(
+        "--invariant",
+        action="store_true",
+        help="decode on the batch-invariant kernels (Chapter 5), whatever --backend says",
+    )
+    p.add_argument(
+        "--backend",
+        default="torch",
+        choices=["torch", "kernels"],
+        help="torch's ops (default) or the course's kernels",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seeds the sampler (temperature > 0)")
     grader.add_commands(sub)
     args = parser.parse_args(argv)
     handlers = {

@@ -13,9 +13,7 @@ from kernels import check
 from kernels.batch_invariant import full_k_matmul, rows, split_kv_attention
 from kernels.batch_invariant.rows import mean, softmax
 from kernels.batch_invariant.split_kv_attention import CONFIG as ATTENTION_CONFIG
-from kernels.runtime import DEVICE, ON_GPU
-from kernels.serving import run_experiment, score
-from kernels.tiny_lm import TinyLM
+from kernels.runtime import DEVICE
 
 
 def _inputs(shape, dtype, seed, scale=1.0):
@@ -282,24 +280,3 @@ def test_mode_is_restored_after_an_error():
             raise RuntimeError("inside")
     assert not bi.enabled()
     assert torch.equal(torch.mm(a, a.t()), torch.mm(a, a.t()))
-
-
-PROMPT = "Tell me about Richard Feynman."
-
-
-def test_tiny_lm_served_in_the_mode_is_reproducible_and_on_policy():
-    model = TinyLM()
-    with bi.batch_invariant_mode():
-        result = run_experiment(model, PROMPT, 3, new_tokens=4, fillers=2, max_batch=2, spread=4)
-        assert result["distinct"] == 1 and result["first_divergence"] is None
-        for request in result["requests"]:  # the trainer's numbers are the sampler's, bit for bit
-            assert score(model, request) == request.logprobs
-
-
-@pytest.mark.skipif(ON_GPU or not torch.backends.mkl.is_available(), reason="CPU build with MKL")
-def test_tiny_lm_served_by_torch_on_this_cpu_is_not():
-    model = TinyLM()
-    result = run_experiment(model, PROMPT, 12, new_tokens=8, fillers=4, max_batch=4, spread=20)
-    assert result["distinct"] > 1
-    request = result["requests"][0]
-    assert score(model, request) != request.logprobs

@@ -21,8 +21,8 @@ from kernels.batch_invariant.harness import (
     ulp_distance,
 )
 from kernels.batch_invariant.split_kv_attention import CONFIG as ATTENTION_CONFIG
+from kernels.llm.ops import sdpa_attention
 from kernels.runtime import DEVICE, ON_GPU
-from kernels.tiny_lm import sdpa_attention
 
 # where the split-KV kernel cuts the keys: the harness tries KV lengths on both sides of each cut
 SPLITS = dict(split_size=ATTENTION_CONFIG["SPLIT_SIZE"], block=ATTENTION_CONFIG["BLOCK_N"])
@@ -106,7 +106,7 @@ def test_attention_harness_tries_lengths_around_the_splits_it_is_given():
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU negative control")
 def test_torch_attention_fails_the_attention_harness_on_this_cpu():
-    """What the tiny LM uses by default: scaled_dot_product_attention with a padding mask."""
+    """What kernels.llm uses by default: scaled_dot_product_attention with a padding mask."""
     q, k, v = (check.random_tensor((2, 1, 140, 16), seed=s) for s in (14, 15, 16))
     report = check_attention_invariance(sdpa_attention, q, k, v, **SPLITS)
     assert not report.ok and report.max_ulp > 0

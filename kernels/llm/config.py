@@ -20,6 +20,11 @@ class ModelConfig:
     norm_eps: float
     tied_embeddings: bool = True  # the output head is the embedding matrix
     max_seq_len: int = 2048  # the longest cache `new_cache` makes by default
+    # Random weights, untied head only: each upper-case ASCII letter's output row is its
+    # lower-case twin's plus a random vector of this relative length (3e-7: a few fp32
+    # roundings), so the twins' logits nearly tie and a change of rounding can flip greedy
+    # decoding (Chapter 5); the other tokens' rows are halved, so that letters win most steps.
+    twin_gap: float = 0.0
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -40,10 +45,12 @@ class ModelConfig:
 
 
 CONFIGS = {
-    # Small enough for Triton's interpreter: a byte vocabulary, two layers, GQA with 2 groups.
+    # Small enough for Triton's interpreter: a byte vocabulary, two layers, GQA with 2 groups;
+    # its own head (untied), whose letter twins sit on the fence (Chapter 5's experiment).
     "tiny": ModelConfig(
         vocab_size=256, n_layers=2, d_model=64, d_ff=128, n_heads=4, n_kv_heads=2,
-        head_dim=16, rope_base=10000.0, norm_eps=1e-5, max_seq_len=256,
+        head_dim=16, rope_base=10000.0, norm_eps=1e-5, tied_embeddings=False,
+        max_seq_len=256, twin_gap=3e-7,
     ),
     # SmolLM2-135M-Instruct; norm_eps is the file's float32 1e-5 read back as a double.
     "smollm2-135m": ModelConfig(

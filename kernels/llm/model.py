@@ -1,5 +1,6 @@
 """A llama in plain PyTorch (gpt-fast style): RMSNorm, rotary, grouped-query attention,
-SwiGLU MLP, tied head, and a static KV cache.
+SwiGLU MLP, tied head, and a static KV cache. Its matmuls, norms and attention run on torch's
+ops or on the course's (`backend`, see kernels.llm.ops).
 
 Shapes: B batch, S new positions, T cache length, D d_model, H query heads, Hkv key/value
 heads, hd head_dim, F d_ff, V vocab.
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.llm import ops
 from kernels.llm.config import ModelConfig
 
 
@@ -39,10 +41,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # (..., D), the statistics in fp32 whatever x's dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x, backend="torch"):  # (..., D), the statistics in fp32
+        return ops.rms_norm(x, self.weight, self.eps, backend)
 
 
 def rotary(x, cos, sin):
@@ -65,35 +65,44 @@ class Block(nn.Module):
         self.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
         self.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
 
-    def forward(self, x, cos, sin, kv=None, pos=None, mask=None):
+    def forward(self, x, cos, sin, backend, cache=None):
+        """x (B, S, D) -> (B, S, D). `cache`: (k_cache, v_cache, rows, gather, pos, kv_lens,
+        length): this layer's (Bc, Hkv, T, hd) cache, the (B,) cache rows used (gathered when
+        `gather`, else rows 0..B-1 in order), the (B, S) new positions, each row's keys after
+        the write (B,), and how many cache positions attention reads."""
         c = self.c
         B, S, _ = x.shape
-        h = self.attn_norm(x)  # (B, S, D)
-        q = self.wq(h).view(B, S, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, S, hd)
-        k = self.wk(h).view(B, S, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
-        v = self.wv(h).view(B, S, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        h = self.attn_norm(x, backend)  # (B, S, D)
+        q = ops.linear(h, self.wq.weight, backend).view(B, S, c.n_heads, c.head_dim)
+        k = ops.linear(h, self.wk.weight, backend).view(B, S, c.n_kv_heads, c.head_dim)
+        v = ops.linear(h, self.wv.weight, backend).view(B, S, c.n_kv_heads, c.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, S, hd)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        if kv is None:  # full sequence: causal over the S positions given
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            k_cache, v_cache = kv  # (B, Hkv, T, hd) views of this layer's cache
-            rows = torch.arange(B, device=x.device)[:, None]  # (B, 1)
+        if cache is None:  # full sequence: causal over the S positions given
+            y = ops.attention(q, k, v, None, backend)
+        else:  # write the new keys first, then attend over the cache: (B, H, S, hd)
+            k_cache, v_cache, rows, gather, pos, kv_lens, length = cache
             # advanced indices around a slice put their dims first: (B, S, Hkv, hd)
-            k_cache[rows, :, pos] = k.transpose(1, 2)
-            v_cache[rows, :, pos] = v.transpose(1, 2)
-            y = F.scaled_dot_product_attention(
-                q, k_cache, v_cache, attn_mask=mask, enable_gqa=True
-            )  # (B, H, S, hd), over all T positions, the later ones masked
+            k_cache[rows[:, None], :, pos] = k.transpose(1, 2)
+            v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
+            if gather:  # a server's running rows: a copy, (B, Hkv, length, hd)
+                keys, values = k_cache[rows, :, :length], v_cache[rows, :, :length]
+            else:  # every row in order: a view, no copy
+                keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
+            y = ops.attention(q, keys, values, kv_lens, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
-        x = x + self.wo(y)
-        h = self.mlp_norm(x)
-        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))  # (B, S, D), SwiGLU
+        x = x + ops.linear(y, self.wo.weight, backend)
+        h = self.mlp_norm(x, backend)
+        gate = ops.linear(h, self.w_gate.weight, backend)  # (B, S, F)
+        up = ops.linear(h, self.w_up.weight, backend)
+        return x + ops.linear(F.silu(gate) * up, self.w_down.weight, backend)  # SwiGLU
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, backend: str = "torch"):
         super().__init__()
         self.config = config
+        self.backend = ops.check_backend(backend)  # "torch" or "kernels": see kernels.llm.ops
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -108,9 +117,13 @@ class Transformer(nn.Module):
             self.config, batch, length, self.embed.weight.dtype, self.embed.weight.device
         )
 
-    def forward(self, tokens, cache: KVCache | None = None, input_pos=None):
-        """tokens (B, S) int64 -> logits (B, S, V). With a cache, input_pos (an int, or a (B,)
-        tensor: each row's first new position) says where the S new tokens go."""
+    def forward(self, tokens, cache: KVCache | None = None, input_pos=None, slots=None):
+        """tokens (B, S) int64 -> logits (B, S, V). With a cache, the S new tokens of row b go
+        to positions input_pos[b] .. input_pos[b] + S - 1 (input_pos: an int for every row, or
+        B ints as a list or a tensor) of cache row slots[b] (slots: B distinct rows, as a list
+        or a tensor; default: rows 0..B-1 of a cache of B rows, attending over all its T
+        positions, masked, so that every step has the same shapes, which CUDA graphs need).
+        With slots, attention reads the B rows up to the longest one's last position."""
         if tokens.dim() != 2 or tokens.dtype != torch.int64:
             raise ValueError(
                 f"tokens must be a (B, S) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
@@ -118,30 +131,20 @@ class Transformer(nn.Module):
         B, S = tokens.shape
         device = tokens.device
         if cache is None:
-            if input_pos is not None:
-                raise ValueError("input_pos needs a cache")
+            if input_pos is not None or slots is not None:
+                raise ValueError("input_pos and slots need a cache")
             pos = torch.arange(S, device=device).expand(B, S)  # (B, S)
         else:
-            input_pos = 0 if input_pos is None else input_pos
-            if isinstance(input_pos, int):  # one position for every row: checked on the host
-                first, last = input_pos, input_pos + S
-                start = torch.full((B,), input_pos, device=device)  # (B,)
-            else:  # a (B,) tensor: the check reads it back, one host sync a step
-                start = input_pos.to(device)
-                first, last = (int(start.min()), int(start.max()) + S) if start.numel() else (0, 0)
-            if B != cache.batch or start.shape != (B,):
-                raise ValueError(
-                    f"a batch of {B} rows with input_pos of shape {tuple(start.shape)} "
-                    f"for a cache of {cache.batch} rows"
-                )
+            rows = _cache_rows(slots, B, cache.batch, device)  # (B,)
+            start, first, last = _start_positions(input_pos, B, S, device)  # (B,), ints
             if first < 0 or last > cache.length:
                 raise ValueError(
                     f"the request would overflow the KV cache: positions up to {last - 1} "
                     f"for a cache of {cache.length} (make a longer one with new_cache)"
                 )
             pos = start[:, None] + torch.arange(S, device=device)  # (B, S)
-            keys = torch.arange(cache.length, device=device)  # (T,)
-            mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, S, T)
+            kv_lens = start + S  # (B,) each row's keys once the new ones are written
+            length = cache.length if slots is None else last
 
         freqs = pos[..., None].float() * self.inv_freq  # (B, S, hd/2)
         freqs = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, S, hd)
@@ -151,9 +154,43 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (B, S, D)
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, self.backend)
             else:
-                x = layer(x, cos, sin, (cache.k[i], cache.v[i]), pos, mask)
-        x = self.norm(x)
+                layer_cache = (cache.k[i], cache.v[i], rows, slots is not None, pos, kv_lens)
+                x = layer(x, cos, sin, self.backend, (*layer_cache, length))
+        x = self.norm(x, self.backend)
         head = self.embed.weight if self.config.tied_embeddings else self.head.weight
-        return F.linear(x, head)  # (B, S, V)
+        return ops.linear(x, head, self.backend)  # (B, S, V)
+
+
+def _cache_rows(slots, B, cache_batch, device) -> torch.Tensor:
+    """slots as a (B,) int64 tensor of distinct cache rows, checked on the host."""
+    if slots is None:
+        if B != cache_batch:
+            raise ValueError(f"a batch of {B} rows for a cache of {cache_batch} rows (pass slots)")
+        return torch.arange(B, device=device)
+    ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+    if len(ids) != B or len(set(ids)) != B or not all(0 <= s < cache_batch for s in ids):
+        raise ValueError(f"slots must be {B} distinct rows of the cache's {cache_batch}, got {ids}")
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def _start_positions(input_pos, B, S, device):
+    """Each row's first new position as a (B,) tensor, with the lowest start and the highest
+    end: on the host for an int or a list, read back from a tensor (one sync a step)."""
+    if input_pos is None:
+        input_pos = 0
+    if isinstance(input_pos, int):
+        return torch.full((B,), input_pos, device=device), input_pos, input_pos + S
+    if isinstance(input_pos, torch.Tensor):
+        start = input_pos.to(device=device, dtype=torch.int64)
+        starts = start.tolist() if start.dim() == 1 else None
+    else:
+        starts = [int(p) for p in input_pos]
+        start = torch.tensor(starts, dtype=torch.int64, device=device)
+    if starts is None or len(starts) != B:
+        raise ValueError(f"input_pos must give one position for each of the {B} rows, "
+                         f"got shape {tuple(start.shape)}")  # fmt: skip
+    if not starts:
+        return start, 0, 0
+    return start, min(starts), max(starts) + S
