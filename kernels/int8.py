@@ -28,17 +28,26 @@ from kernels.split_k import product
 from kernels.validate import check_tensor
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so q and -q are both representable)
+QUANTIZE_ROWS = 4096  # rows quantized at once: 4096 x 8192 fp64 quotients are 256 MiB
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(qweight int8 (N, K), scale fp32 (N,)) for a float weight (N, K): per output channel,
-    symmetric, scale = absmax / 127 (0 for an all-zero row, whose q is 0). Computed in fp32."""
+    symmetric, scale = absmax / 127 (0 for an all-zero row, whose q is 0), q the nearest integer
+    to w / scale, so |w - q * scale| <= scale / 2. The quotients are taken in fp64 (in fp32 one
+    that is just under k + 1/2 can round up to it, then away from w), a block of rows at a time."""
     check_tensor("weight", weight, ndim=2)
-    w = weight.float()
-    scale = w.abs().amax(dim=1) / QMAX  # (N,)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / safe[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
-    return q, scale.contiguous()
+    n, k = weight.shape
+    scale = torch.zeros(n, dtype=torch.float32, device=weight.device)
+    if k:
+        scale = weight.abs().amax(dim=1).float() / QMAX  # (N,), exact up to the division
+    step = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    for start in range(0, n, QUANTIZE_ROWS):
+        rows = slice(start, start + QUANTIZE_ROWS)
+        quotient = weight[rows].double() / step[rows, None]
+        q[rows] = torch.round(quotient).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, scale
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -97,7 +97,8 @@ def split_rule(N: int, K: int, tile: Tile, sms: int | None = None) -> tuple[int,
     into enough pieces that the column tiles times the pieces cover the SMs once (for M up to
     one BLOCK_M; a larger M adds row tiles on top), each piece a whole number of BLOCK_K steps
     and at least MIN_STEPS_PER_SPLIT of them. For 256 x 256 x 524288 with 128-wide tiles on 132
-    SMs: 2 column tiles, 66 pieces of 7944 (124 steps of 64); with M = 256, 264 programs."""
+    SMs: 2 column tiles, 66 pieces of 8000 (125 steps of 64, the last shorter); with M = 256,
+    264 programs: two waves."""
     sms = sms or processors()
     tiles_n = triton.cdiv(N, tile.BLOCK_N)
     steps = triton.cdiv(max(K, 1), tile.BLOCK_K)
