@@ -6,7 +6,9 @@ rows: a row's bits then cannot depend on how many rows are batched with it (Chap
 GPU the tile comes from a small list, timed once per (kind, N, K, dtypes) at fixed row counts
 (TUNE_ROWS, not the caller's M) and kept for the rest of the process; the interpreter takes one
 small tile, untimed. Set AUTOTUNE = False to take each list's first entry without timing (the
-same choice in every process, where timing noise could pick differently).
+same choice in every process, where timing noise could pick differently). The first call of
+a shape does that timing: make it before any CUDA graph capture (a warm-up call, as
+torch.compile's "reduce-overhead" mode and bench.rotating_graph_ms make).
 
 Not yet measured: these lists are what a Hopper GPU should like, to be confirmed by
 `python -m kernels bench decode` on an H200 and pruned to what wins.
