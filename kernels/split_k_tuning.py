@@ -150,5 +150,5 @@ def least_regret(plans, rows, time_plan):
 
 
 def chosen_plans() -> dict:
-    """Every plan chosen so far in this process (what the benchmark reports)."""
+    """Every plan chosen so far in this process: after a benchmark run, the tiles that won."""
     return dict(_chosen)

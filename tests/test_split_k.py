@@ -63,6 +63,23 @@ def test_the_split_rule_never_sees_m():
     assert tuning.split_rule(256, 64, tile, sms=132)[0] == 1  # too short a K to cut
 
 
+def test_the_tuner_times_fixed_row_counts_and_keeps_its_choice(monkeypatch):
+    monkeypatch.setattr(tuning, "AUTOTUNE", True)
+    monkeypatch.setattr(tuning, "_chosen", {})
+    seen = []
+    fake_ms = lambda plan, rows: seen.append(rows) or (1.0 if plan.splits == 1 else 2.0)
+    chosen = tuning.plan("gemv", 33, 200, ("a dtype",), fake_ms)  # split 7 ways, or not
+    assert chosen.splits == 1 and sorted(set(seen)) == sorted(tuning.TUNE_ROWS["gemv"])
+    timed = len(seen)
+    assert tuning.plan("gemv", 33, 200, ("a dtype",), fake_ms) is chosen and len(seen) == timed
+
+
+def test_the_tuner_minds_the_worst_row_count():
+    fast_at_1, even = tuning.Plan(None, 1, 32), tuning.Plan(None, 2, 32)
+    times = {(fast_at_1, 1): 1.0, (fast_at_1, 64): 3.0, (even, 1): 1.2, (even, 64): 2.0}
+    assert tuning.least_regret([fast_at_1, even], (1, 64), lambda p, m: times[p, m]) is even
+
+
 # Batch sizes around the CPU tile's 16 rows; every row up to 33 also computed alone.
 BATCHES = (1, 2, 3, 15, 16, 17, 31, 32, 33)
 
