@@ -86,9 +86,11 @@ def split_k_kernel(
     split = pid // (tiles_m * tiles_n)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows and columns past the edge wrap onto valid ones (no mask but along K; the store drops
-    # them). 64-bit: row * stride can pass 2**31.
-    rows_in = (rows % M).to(tl.int64)
+    # Rows past M are masked: padding rows cost no memory traffic (M = 1 in a tile of 16 reads
+    # one row of a). Columns past N wrap onto valid ones, so b's loads need no mask but along K;
+    # the store drops them. 64-bit: row * stride can pass 2**31.
+    row_ok = (rows < M)[:, None]
+    rows_in = rows.to(tl.int64)
     cols_in = (cols % N).to(tl.int64)
     k_start = split.to(tl.int64) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -98,12 +100,13 @@ def split_k_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # this piece of K, in order
-        if EVEN_K:  # K a multiple of BLOCK_K, so is every piece: no masks in the loop
-            a = tl.load(a_ptrs)
+        if EVEN_K:  # K a multiple of BLOCK_K, so is every piece: no masks along K
+            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
             b = tl.load(b_ptrs)
         else:
-            a = tl.load(a_ptrs, mask=ks[None, :] < k_end - k0, other=0.0)
-            b = tl.load(b_ptrs, mask=ks[:, None] < k_end - k0, other=0.0)
+            k_ok = ks < k_end - k0
+            a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         b = b.to(a.dtype)  # int8 weights: exact in fp16/bf16/fp32 (|q| <= 127)
         if USE_DOT:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
