@@ -23,6 +23,9 @@ from kernels.runtime import DEVICE, ON_GPU, versions
 __all__ = [
     "time_ms",
     "graph_ms",
+    "rotating_graph_ms",
+    "rotating_copies",
+    "l2_bytes",
     "cpu_us_per_call",
     "loop_us",
     "measure_ceilings",
@@ -65,6 +68,48 @@ def graph_ms(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     return time_ms(graph.replay)
+
+
+def l2_bytes() -> int:
+    """The GPU's L2 cache in bytes (50 MB on an H200). GPU only."""
+    if not ON_GPU:
+        raise RuntimeError("l2_bytes reads the GPU's properties: it needs a CUDA GPU")
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20))
+
+
+def rotating_copies(t: torch.Tensor, past_bytes: int | None = None) -> list[torch.Tensor]:
+    """Copies of `t` (t itself first) that together hold more than `past_bytes` (default: twice
+    the L2) and number at least two: cycled through by `rotating_graph_ms`, no call finds its
+    operand in L2 from the calls before, as a model's next layer finds its own weight cold."""
+    past_bytes = 2 * l2_bytes() if past_bytes is None else past_bytes
+    count = max(2, -(-past_bytes // max(t.nbytes, 1)) + 1)
+    return [t] + [t.clone() for _ in range(count - 1)]
+
+
+def rotating_graph_ms(fn, argsets, calls: int | None = None) -> float:
+    """GPU milliseconds per call of fn(*args), `calls` calls (default: at least 32, a whole
+    number of rounds) captured back to back in one CUDA graph, cycling through `argsets` (for
+    example the rotating_copies of a weight): the way a decode step runs its layers, with no
+    launch overhead between calls and no help from the L2. A single `time_ms` call of a small
+    kernel also pays a fixed few microseconds; the two side by side show it. GPU only."""
+    if not ON_GPU:
+        raise RuntimeError("rotating_graph_ms replays a CUDA graph: it needs a CUDA GPU")
+    argsets = [tuple(args) for args in argsets]
+    if not argsets:
+        raise ValueError("rotating_graph_ms needs at least one set of arguments")
+    calls = calls or len(argsets) * -(-32 // len(argsets))
+    side = torch.cuda.Stream()  # warm up off the capture stream: compiles, tunes, allocates
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for args in argsets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*argsets[i % len(argsets)])
+    return time_ms(graph.replay) / calls
 
 
 def cpu_us_per_call(fn, calls=2000) -> float:

@@ -163,12 +163,14 @@ def test_the_registry_names_each_chapters_benchmarks_in_order():
         "norm_backward",
         "attention",
         "batch_invariant",
+        "decode",
     ]
     modules = {name: fn.__module__ for name, fn in benchmarks.BENCHMARKS.items()}
     assert modules["regimes"] == "kernels.benchmarks.regimes"
     assert modules["matmul"] == "kernels.benchmarks.matmul"
     assert modules["attention"] == "kernels.benchmarks.attention"
     assert modules["batch_invariant"] == "kernels.benchmarks.batch_invariant"
+    assert modules["decode"] == "kernels.benchmarks.decode"
     assert {modules[n] for n in ("add", "fusion", "softmax", "norm_backward")} == {
         "kernels.benchmarks.fusion"
     }
@@ -305,3 +307,21 @@ def test_merging_bench_runs_replaces_rows_by_name_and_keeps_each_run():
     assert merged["ceilings"] == {"copy_gbps": 2.0} and merged["meta"] == {"date": "b"}
     assert [r["ceilings"]["copy_gbps"] for r in merged["runs"]] == [1.0, 2.0]
     assert merge(merged, first)["runs"][-1]["rows"] == ["x", "y"]
+
+
+def test_rotating_copies_pass_the_bytes_asked_for():
+    from kernels.bench import rotating_copies
+
+    t = torch.arange(1000, dtype=torch.float32)  # 4000 bytes
+    copies = rotating_copies(t, past_bytes=10_000)
+    assert copies[0] is t and len(copies) == 4  # 16000 bytes, and no call sees its copy twice
+    assert all(torch.equal(c, t) and c.data_ptr() != t.data_ptr() for c in copies[1:])
+    assert len(rotating_copies(t, past_bytes=0)) == 2
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU path")
+def test_rotating_graph_ms_says_it_needs_a_gpu():
+    from kernels.bench import rotating_graph_ms
+
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        rotating_graph_ms(torch.neg, [(torch.ones(3),)])

@@ -17,6 +17,7 @@ from kernels import bench, roofs, runtime
 from kernels.benchmarks import batch_invariant, fusion, matmul, regimes
 from kernels.benchmarks.attention import bench_attention
 from kernels.benchmarks.batch_invariant import bench_batch_invariant
+from kernels.benchmarks.decode import bench_decode
 from kernels.benchmarks.fusion import bench_add, bench_fusion, bench_norm_backward, bench_softmax
 from kernels.benchmarks.matmul import bench_matmul
 from kernels.benchmarks.overhead import bench_overhead
@@ -44,6 +45,7 @@ BENCHMARKS = {
     "attention": bench_attention,
     "batch_invariant": bench_batch_invariant,
     "overhead": bench_overhead,
+    "decode": bench_decode,
 }
 
 # Recorded rows that may pass their measured ceiling, and why, from each chapter's module:

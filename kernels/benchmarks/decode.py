@@ -1,0 +1,104 @@
+"""Chapter 6's kernel benchmark: the decode GEMV (bf16 and int8 weights) against cuBLAS, and the
+split-K matmul on KernelBench's large-K shape.
+
+A GEMV row is rated in GB/s of the bytes it must move (weight + x + out; int8: its weight and
+scales) against the copy bandwidth, timed two ways with its baselines timed the same way:
+[graph]: back to back in one CUDA graph over rotating copies of the weight, together past the
+L2 (bench.rotating_graph_ms): how a decode step runs them; [call]: one `time_ms` (do_bench)
+call, which also pays a fixed few microseconds per call (a 33 MB problem tops out near 63% of
+copy that way). Targets (issue 16): M=1 >= 0.85x copy and >= 1.2x cuBLAS [graph], M=16/64 >=
+0.8x copy; int8 at M=1 >= 1.7x the bf16 GEMV. The split-K matmul: >= 0.9x cuBLAS (issue 17).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels import bench
+from kernels.benchmarks.rows import CUBLAS_IS_NOT_A_ROOF, row
+from kernels.runtime import DEVICE
+
+DECODE_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K): an 8B model's MLP up and down
+DECODE_ROWS = (1, 16, 64)
+SPLIT_K_SHAPE = (256, 256, 524288)  # (M, N, K): KernelBench level 1, "large K"
+READS_ONLY = (
+    "a GEMV reads its weight and writes almost nothing, so DRAM seldom turns from reads to "
+    "writes and the rate can pass the 1:1 copy's (which writes as much as it reads); the "
+    "datasheet's HBM peak still bounds it"
+)
+
+
+def _both_ways(fn, argsets) -> dict:
+    return {"graph": bench.rotating_graph_ms(fn, argsets), "call": bench.time_ms(fn, *argsets[0])}
+
+
+def _gemv_rows(label, ours, baselines, moved, ceilings):
+    return [
+        row(
+            f"{label} [{how}]",
+            ours[how],
+            bytes_moved=moved,
+            ceilings=ceilings,
+            baselines={name: times[how] for name, times in baselines.items()},
+            above_roof=READS_ONLY,
+        )
+        for how in ("graph", "call")
+    ]
+
+
+def bench_gemv(ceilings):
+    """bf16 x (M, K) @ W.T for W (N, K), and the same with W quantized to int8 per channel."""
+    from kernels import gemv, int8
+
+    rows = []
+    for n, k in DECODE_SHAPES:
+        weight = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * k**-0.5
+        weights = bench.rotating_copies(weight)
+        q, scale = int8.quantize(weight)
+        quantized = [(c, scale) for c in bench.rotating_copies(q)]
+        for m in DECODE_ROWS:
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            dense = [(x, w) for w in weights]
+            cublas = _both_ways(F.linear, dense)
+            ours = _both_ways(gemv.linear, dense)
+            moved = 2 * (n * k + m * k + m * n)
+            label = f"gemv bf16 M={m} {n}x{k}"
+            rows += _gemv_rows(label, ours, {"cuBLAS F.linear": cublas}, moved, ceilings)
+            int8_ms = _both_ways(int8.linear, [(x, c, s) for c, s in quantized])
+            moved = n * k + 4 * n + 2 * (m * k + m * n)
+            baselines = {"cuBLAS F.linear bf16": cublas, "gemv bf16": ours}
+            rows += _gemv_rows(f"gemv int8 M={m} {n}x{k}", int8_ms, baselines, moved, ceilings)
+        del weights, quantized
+    return rows
+
+
+def bench_split_k(ceilings):
+    """The split-K matmul at 256 x 256 x 524288 bf16 against cuBLAS and kernels.matmul (which
+    does not split K: 4 tiles for 132 SMs)."""
+    from kernels.matmul import matmul
+    from kernels.split_k import matmul_split_k
+
+    m, n, k = SPLIT_K_SHAPE
+    a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
+    baselines = {
+        "torch.matmul": bench.time_ms(torch.matmul, a, b),
+        "kernels.matmul": bench.time_ms(matmul, a, b),
+    }
+    ms = bench.time_ms(matmul_split_k, a, b)
+    name = f"matmul_split_k bf16 {m}x{n}x{k}"
+    return [
+        row(
+            name,
+            ms,
+            flops=2 * m * n * k,
+            ceilings=ceilings,
+            dtype="bf16",
+            baselines=baselines,
+            above_roof=CUBLAS_IS_NOT_A_ROOF,
+        )
+    ]
+
+
+def bench_decode(ceilings):
+    """The GEMV rows, then the split-K matmul (GPU only, as every benchmark)."""
+    return bench_gemv(ceilings) + bench_split_k(ceilings)

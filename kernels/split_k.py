@@ -1,0 +1,255 @@
+"""Split-K matmul: act(a @ b * scale + bias) with the K reduction cut into a fixed number of
+pieces, for products whose output has too few tiles to fill the GPU (a 256 x 256 output is 4
+tiles of 128 x 128 for 132 SMs) while K is long (524288), and for the decode GEMV
+(kernels.gemv, kernels.int8) where M is 1 to 64 and the weight's N x K is everything.
+
+Two kernels. split_k_kernel: program (tile, split) computes one BLOCK_M x BLOCK_N tile of the
+output over one slice of K, accumulating in fp32, and stores it into a partial-sums buffer
+(splits, M, N) in fp32. split_k_reduce_kernel: each output element is the sum of its partials
+in a fixed order (split 0, then 1, 2, ...), then the epilogue (per-column scale, bias,
+activation), stored in the output dtype. No atomics: the order of every addition is fixed, so
+the result is the same run to run. With one piece the first kernel applies the epilogue and
+stores the output itself (no partials, no second launch).
+
+Batch invariance: the number of pieces, and the tile, are functions of (N, K), the dtypes and
+the device (kernels.split_k_tuning), never of M. A row's sum is then cut at the same places
+whatever the batch size, and on tensor cores a row's result does not depend on the other rows
+of its tile, so row i of a batch of M rows has the bits it has alone. A split chosen from M, as
+libraries choose it to fill the GPU for small batches, changes a row's bits with the batch
+size: Chapter 5 shows it (kernels.batch_invariant.controls.split_k_matmul, its negative
+control). The reduce kernel's tile may follow M: it adds each element's partials alone.
+
+Bytes: a and b once (b in its own dtype: int8 for kernels.int8), the output once, plus the
+partials written and read once (8 * splits * M * N); FLOPs 2 * M * N * K. Forward only.
+"""
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+from triton.runtime.errors import OutOfResources, PTXASError
+
+from kernels import split_k_tuning as tuning
+from kernels.batch_invariant.rows import add_combine
+from kernels.matmul import matmul_ref
+from kernels.operators import operator, through_operator
+from kernels.primitives import epilogue
+from kernels.runtime import INTERPRET
+from kernels.validate import check_matmul_inputs, input_precision
+
+
+def split_k_metadata(grid, kernel, args) -> dict:
+    """What a profiler shows for either kernel: its shape, FLOPs and least bytes. Partials are
+    a 3-D buffer (splits, M, N); a 2-D tensor passed in a pointer's place stands in, unread."""
+    M, N, parts, out = args["M"], args["N"], args["part_ptr"], args["out_ptr"]
+    splits = parts.shape[0] if parts.dim() == 3 else 1
+    extras = sum(args[p].numel() * args[p].element_size() for p in ("scale_ptr", "bias_ptr")
+                 if args[p].dim() == 1)  # fmt: skip
+    partials = 4 * splits * M * N if parts.dim() == 3 else 0
+    if "a_ptr" in args:  # the main kernel: reads a and b, writes partials or the output
+        K, a, b = args["K"], args["a_ptr"], args["b_ptr"]
+        moved = M * K * a.element_size() + K * N * b.element_size() + extras
+        moved += partials if partials else M * N * out.element_size()
+        name, flops = f"{kernel.name} [M={M}, N={N}, K={K}, splits={splits}]", 2.0 * M * N * K
+    else:  # the reduce: reads partials, writes the output
+        moved = partials + M * N * out.element_size() + extras
+        name, flops = f"{kernel.name} [M={M}, N={N}, splits={splits}]", float(splits * M * N)
+    return {"name": name, "flops": flops, "bytes": moved}
+
+
+@triton.jit
+def scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):  # fmt: skip
+    """act(acc * scale + bias): int8 weights' per-column scale, then the shared epilogue."""
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    return epilogue(acc, bias_ptr, cols, N, HAS_BIAS, ACTIVATION)
+
+
+# M is not specialized: Triton would compile other code for M == 1 or M % 16 == 0, and one
+# kernel for every M is the point (kernels.batch_invariant.full_k_matmul does the same).
+@triton.jit(do_not_specialize=["M"], launch_metadata=split_k_metadata)
+def split_k_kernel(
+    a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, bias_ptr, M, N, K, k_per_split,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Row tiles vary fastest: the programs that share a slab of b (a decode weight) run together
+    # and read it from DRAM once.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid % tiles_m
+    pid_n = (pid // tiles_m) % tiles_n
+    split = pid // (tiles_m * tiles_n)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past M are masked: padding rows cost no memory traffic (M = 1 in a tile of 16 reads
+    # one row of a). Columns past N wrap onto valid ones, so b's loads need no mask but along K;
+    # the store drops them. 64-bit: row * stride can pass 2**31.
+    row_ok = (rows < M)[:, None]
+    rows_in = rows.to(tl.int64)
+    cols_in = (cols % N).to(tl.int64)
+    k_start = split.to(tl.int64) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_in[:, None] * stride_am + (k_start + ks)[None, :] * stride_ak
+    b_ptrs = b_ptr + (k_start + ks)[:, None] * stride_bk + cols_in[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):  # this piece of K, in order
+        if EVEN_K:  # K a multiple of BLOCK_K, so is every piece: no masks along K
+            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = ks < k_end - k0
+            a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        b = b.to(a.dtype)  # int8 weights: exact in fp16/bf16/fp32 (|q| <= 127)
+        if USE_DOT:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        else:  # see DOT_ON_CPU in kernels/batch_invariant/full_k_matmul.py
+            acc += tl.reduce(
+                a[:, :, None].to(tl.float32) * b[None, :, :].to(tl.float32), 1, add_combine
+            )
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if DIRECT:  # one piece: this program's tile is the output
+        acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
+        c_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # partials (splits, M, N), contiguous fp32
+        part = part_ptr + split.to(tl.int64) * M * N
+        tl.store(part + rows.to(tl.int64)[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"], launch_metadata=split_k_metadata)
+def split_k_reduce_kernel(
+    part_ptr, out_ptr, scale_ptr, bias_ptr, M, N, splits, split_stride, stride_cm, stride_cn,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]  # 64-bit: rows are int64
+    acc = tl.load(part_ptrs, mask=mask, other=0.0)
+    for _ in range(1, splits):  # split 0, then 1, 2, ...: one order for every element
+        part_ptrs += split_stride
+        acc += tl.load(part_ptrs, mask=mask, other=0.0)
+    acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
+    c_ptrs = out_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _run(a, b, plan, scale=None, bias=None, activation=None) -> torch.Tensor:
+    """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0."""
+    (M, K), N = a.shape, b.shape[1]
+    tile = plan.tile
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    parts = out  # stands in when there is one piece
+    if plan.splits > 1:
+        parts = torch.empty((plan.splits, M, N), dtype=torch.float32, device=a.device)
+    flags = dict(
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACTIVATION=activation or "none"
+    )
+    scale = out if scale is None else scale
+    bias = out if bias is None else bias
+    tiles = triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N)
+    meta = tile.meta()
+    split_k_kernel[(tiles * plan.splits,)](
+        a, b, out, parts, scale, bias, M, N, K, plan.k_per_split,
+        *a.stride(), *b.stride(), *out.stride(),
+        DIRECT=plan.splits == 1, EVEN_K=K % tile.BLOCK_K == 0,
+        INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, **flags, **meta,
+    )  # fmt: skip
+    if plan.splits > 1:
+        block_m = min(16, triton.next_power_of_2(M))
+        block_n = min(triton.next_power_of_2(N), max(64, 1024 // block_m))
+        grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+        split_k_reduce_kernel[grid](
+            parts, out, scale, bias, M, N, plan.splits, parts.stride(0), *out.stride(),
+            **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+        )  # fmt: skip
+    return out
+
+
+def _with_splits(plan, K: int, splits: int):
+    """`plan`'s tile with K cut into at most `splits` pieces (whole BLOCK_K steps, none empty)."""
+    steps = triton.cdiv(K, plan.tile.BLOCK_K)
+    per = triton.cdiv(steps, min(splits, steps))
+    return tuning.Plan(plan.tile, triton.cdiv(steps, per), per * plan.tile.BLOCK_K)
+
+
+def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None):
+    """act(a @ b * scale + bias) for validated operands through the plan that
+    kernels.split_k_tuning picks for (kind, N, K, the dtypes, the device): the launcher behind
+    matmul_split_k, kernels.gemv.linear and kernels.int8.linear."""
+    (M, K), N = a.shape, b.shape[1]
+    if M == 0 or N == 0:
+        return torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if K == 0:  # an empty sum: zeros, then the epilogue
+        return matmul_ref(a, b.to(a.dtype), bias, activation)
+    key = (a.dtype, b.dtype, a.device.index, input_precision(a.dtype))
+
+    def time_plan(candidate, rows):  # a fresh a of `rows` rows, the caller's b, scale, bias
+        x = torch.randn((rows, K), device=a.device).to(a.dtype)
+        run = lambda: _run(x, b, candidate, scale, bias, activation)
+        try:  # short runs: a ranking, not a measurement (bench.time_ms takes 4x longer)
+            return triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+        except (OutOfResources, PTXASError):  # a tile too large for this GPU never wins
+            return float("inf")
+
+    plan = tuning.plan(kind, N, K, key, time_plan)
+    if splits is not None:
+        plan = _with_splits(plan, K, splits)
+    return _run(a, b, plan, scale, bias, activation)
+
+
+def check_splits(splits):
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)):
+        raise TypeError(f"splits must be an int or None, got {type(splits).__name__}")
+    if splits is not None and not 1 <= splits <= tuning.MAX_SPLITS:
+        raise ValueError(f"splits must be between 1 and {tuning.MAX_SPLITS}, got {splits}")
+
+
+def _matmul_split_k(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    splits: int | None,
+) -> torch.Tensor:
+    return product(a, b, kind="matmul", bias=bias, activation=activation, splits=splits)
+
+
+def _matmul_split_k_fake(a, b, bias, activation, splits):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+# Forward only: no autograd is registered, so a backward through it raises (decode needs none).
+matmul_split_k_op = operator("matmul_split_k", _matmul_split_k, fake=_matmul_split_k_fake)
+
+
+def matmul_split_k(a, b, bias=None, activation=None, splits=None) -> torch.Tensor:
+    """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu" or
+    "relu", with K cut into `splits` pieces (default: kernels.split_k_tuning's choice from N, K,
+    the dtype and the device, never from M) reduced in a fixed order. fp32 accumulation; the
+    output has the inputs' dtype. The operator torch.ops.brrr.matmul_split_k; forward only."""
+    check_matmul_inputs(a, b, bias, activation)
+    check_splits(splits)
+    if through_operator(a, b, bias):
+        return matmul_split_k_op(a, b, bias, activation, splits)
+    return _matmul_split_k(a, b, bias, activation, splits)
+
+
+def matmul_split_k_ref(a, b, bias=None, activation=None, splits=None) -> torch.Tensor:
+    """kernels.matmul's reference (PyTorch's product in fp32, fp64 for fp64): the same maths
+    whatever the split."""
+    return matmul_ref(a, b, bias, activation)

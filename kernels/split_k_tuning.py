@@ -1,0 +1,154 @@
+"""The choices behind kernels.split_k (and the decode GEMV and int8 GEMV built on it): which
+tile, and how many pieces K is cut into, for a product with an N x K right-hand side.
+
+Every choice here is a function of (N, K, the dtypes, the device), never of M, the number of
+rows: a row's bits then cannot depend on how many rows are batched with it (Chapter 5). On a
+GPU the tile comes from a small list, timed once per (kind, N, K, dtypes) at fixed row counts
+(TUNE_ROWS, not the caller's M) and kept for the rest of the process; the interpreter takes one
+small tile, untimed. Set AUTOTUNE = False to take each list's first entry without timing (the
+same choice in every process, where timing noise could pick differently). The first call of
+a shape does that timing: make it before any CUDA graph capture (a warm-up call, as
+torch.compile's "reduce-overhead" mode and bench.rotating_graph_ms make).
+
+Not yet measured: these lists are what a Hopper GPU should like, to be confirmed by
+`python -m kernels bench decode` on an H200 and pruned to what wins.
+"""
+
+from dataclasses import dataclass
+
+import triton
+
+from kernels.runtime import ON_GPU, pick, processors
+
+
+@dataclass(frozen=True)
+class Tile:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def meta(self) -> dict:
+        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    tile: Tile
+    splits: int  # pieces of K; 1: one kernel writes the output, no partial sums
+    k_per_split: int  # a multiple of BLOCK_K
+
+
+# Large K, small M x N (256 x 256 x 524288, KernelBench's "large K"): compute-bound tiles as in
+# kernels.matmul_tuning, each on a slice of K; the split then fills the SMs.
+MATMUL_TILES = pick(
+    cpu=[Tile(16, 64, 32, num_stages=1)],
+    gpu=[
+        Tile(128, 128, 64, num_warps=8, num_stages=3),
+        Tile(128, 128, 64, num_warps=4, num_stages=4),
+        Tile(128, 256, 64, num_warps=8, num_stages=3),
+        Tile(64, 128, 64, num_warps=4, num_stages=4),
+        Tile(64, 64, 128, num_warps=4, num_stages=3),
+    ],
+)
+# Decode, x (M <= 64, K) @ W.t(): memory-bound, each weight byte read once. tl.dot needs 16
+# rows, so BLOCK_M >= 16 and rows past M are padding (free on tensor cores: M = 1 at
+# BLOCK_M = 64 does 64x the FLOPs, about 12 us of a 28 us, 117 MB read on an H200, in the
+# shadow of the loads). Narrow BLOCK_N puts many programs in flight; deep BLOCK_K makes each
+# load long and contiguous (a weight row is K-contiguous). One tile serves every M, so a tile
+# that wins at M = 1 but re-reads W from L2 at M = 64 loses to one that does well at both.
+GEMV_TILES = pick(
+    cpu=[Tile(16, 64, 32, num_stages=1)],
+    gpu=[
+        Tile(16, 64, 128, num_warps=4, num_stages=4),
+        Tile(16, 32, 256, num_warps=4, num_stages=4),
+        Tile(16, 128, 128, num_warps=4, num_stages=3),
+        Tile(32, 64, 128, num_warps=4, num_stages=4),
+        Tile(64, 64, 128, num_warps=4, num_stages=3),
+        Tile(64, 128, 64, num_warps=4, num_stages=4),
+    ],
+)
+# int8 weights: half the bytes per element, so twice the K per load for the same bytes.
+INT8_TILES = pick(
+    cpu=[Tile(16, 64, 32, num_stages=1)],
+    gpu=[
+        Tile(16, 64, 256, num_warps=4, num_stages=4),
+        Tile(16, 32, 512, num_warps=4, num_stages=4),
+        Tile(16, 128, 128, num_warps=4, num_stages=3),
+        Tile(32, 64, 256, num_warps=4, num_stages=3),
+        Tile(64, 64, 256, num_warps=4, num_stages=3),
+    ],
+)
+TILES = {"matmul": MATMUL_TILES, "gemv": GEMV_TILES, "int8": INT8_TILES}
+# The row counts a kind is timed at: a config must do well at each (decode runs 1 to 64).
+TUNE_ROWS = {"matmul": (256,), "gemv": (1, 16, 64), "int8": (1, 16, 64)}
+
+AUTOTUNE = ON_GPU
+MAX_SPLITS = 128
+# Each piece keeps at least this many BLOCK_K steps, so its loads can pipeline. The CPU value
+# lets small test shapes split too.
+MIN_STEPS_PER_SPLIT = pick(cpu=1, gpu=4)
+
+
+def split_rule(N: int, K: int, tile: Tile, sms: int | None = None) -> tuple[int, int]:
+    """(splits, k_per_split) from the shape's N and K and the device's SM count, never M.
+
+    With N / BLOCK_N column tiles already covering the SMs, K is not split. Otherwise K is cut
+    into enough pieces that the column tiles times the pieces cover the SMs once (for M up to
+    one BLOCK_M; a larger M adds row tiles on top), each piece a whole number of BLOCK_K steps
+    and at least MIN_STEPS_PER_SPLIT of them. For 256 x 256 x 524288 with 128-wide tiles on 132
+    SMs: 2 column tiles, 66 pieces of 8000 (125 steps of 64, the last shorter); with M = 256,
+    264 programs: two waves."""
+    sms = sms or processors()
+    tiles_n = triton.cdiv(N, tile.BLOCK_N)
+    steps = triton.cdiv(max(K, 1), tile.BLOCK_K)
+    want = 1 if tiles_n >= sms else triton.cdiv(sms, tiles_n)
+    splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    steps_per_split = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, steps_per_split)  # rounding may leave fewer, none empty
+    return splits, steps_per_split * tile.BLOCK_K
+
+
+def candidates(kind: str, N: int, K: int) -> list[Plan]:
+    """The plans worth timing: each tile with the split rule's pieces, and (decode kinds, which
+    may fill the GPU with many narrow programs instead) each tile unsplit."""
+    plans = []
+    for tile in TILES[kind]:
+        splits, k_per_split = split_rule(N, K, tile)
+        plans.append(Plan(tile, splits, k_per_split))
+        if kind != "matmul" and splits > 1:
+            plans.append(Plan(tile, 1, triton.cdiv(max(K, 1), tile.BLOCK_K) * tile.BLOCK_K))
+    return plans
+
+
+_chosen: dict = {}  # (kind, N, K, dtypes, device) -> Plan, for the life of the process
+
+
+def plan(kind: str, N: int, K: int, key: tuple, time_plan=None) -> Plan:
+    """The plan for (kind, N, K) with `key` (dtypes, device): the first candidate, or on a GPU
+    with AUTOTUNE the one with the least worst-case slowdown over TUNE_ROWS[kind], as timed by
+    `time_plan(plan, rows) -> ms` once and remembered."""
+    cache_key = (kind, N, K, *key)
+    chosen = _chosen.get(cache_key)
+    if chosen is not None:
+        return chosen
+    plans = candidates(kind, N, K)
+    chosen = plans[0]
+    if AUTOTUNE and time_plan is not None and len(plans) > 1:
+        chosen = least_regret(plans, TUNE_ROWS[kind], time_plan)
+    _chosen[cache_key] = chosen
+    return chosen
+
+
+def least_regret(plans, rows, time_plan):
+    """The plan whose time at its worst row count is closest to that row count's best."""
+    times = {(p, m): time_plan(p, m) for p in plans for m in rows}  # inf: did not run
+    best = {m: min(times[p, m] for p in plans) for m in rows}
+    return min(plans, key=lambda p: max(times[p, m] / best[m] for m in rows))
+
+
+def chosen_plans() -> dict:
+    """Every plan chosen so far in this process: after a benchmark run, the tiles that won."""
+    return dict(_chosen)

@@ -1,0 +1,161 @@
+import inspect
+
+import pytest
+import torch
+from params import DTYPES, assert_rows_invariant
+
+from kernels import check
+from kernels import split_k_tuning as tuning
+from kernels.runtime import DEVICE
+from kernels.split_k import matmul_split_k, matmul_split_k_op, matmul_split_k_ref
+
+# (M, N, K) around 1 and the CPU tile (16 x 64, K steps of 32): with 16 "SMs" on a CPU, N <= 64
+# is one column tile and K is cut into up to 16 pieces; N = 1000 is 16 tiles, never split.
+SHAPES = [(1, 1, 1), (3, 33, 127), (17, 65, 1000), (16, 127, 255), (64, 1, 33), (2, 1000, 65)]
+
+
+def operands(m, n, k, dtype, seed=0):
+    a = check.random_tensor((m, k), dtype, seed=seed, scale=k**-0.25)
+    b = check.random_tensor((k, n), dtype, seed=seed + 1, scale=k**-0.25)
+    return a, b
+
+
+def torch_same_dtype(a, b, bias=None, activation=None, splits=None):
+    out = a @ b if bias is None else a @ b + bias
+    return getattr(torch.nn.functional, activation)(out) if activation else out
+
+
+def check_split_k(a, b, bias=None, activation=None, splits=None):
+    r = check.against_fp64(
+        matmul_split_k, a, b, bias, activation, splits,
+        ref=matmul_split_k_ref, op="matmul", baseline=torch_same_dtype,
+    )  # fmt: skip
+    assert r.ok, r.message
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_fp64_reference(shape, dtype):
+    check_split_k(*operands(*shape, dtype))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"], ids=str)
+def test_every_split_and_epilogue_with_k_tails(splits, activation):
+    # K = 300: 10 steps of 32 with a 12-wide tail; 40 asks for more pieces than steps (10 made)
+    a, b = operands(5, 40, 300, torch.float32, seed=3)
+    bias = check.random_tensor((40,), seed=5)
+    check_split_k(a, b, bias, activation, splits)
+
+
+def test_the_default_split_cuts_k_on_a_narrow_output():
+    plan = tuning.plan("matmul", 40, 300, (torch.float32, torch.float32, None, "ieee"))
+    assert plan.splits > 1 and plan.k_per_split % plan.tile.BLOCK_K == 0
+    assert (plan.splits - 1) * plan.k_per_split < 300 <= plan.splits * plan.k_per_split
+
+
+def test_the_split_rule_never_sees_m():
+    assert list(inspect.signature(tuning.split_rule).parameters) == ["N", "K", "tile", "sms"]
+    tile = tuning.Tile(128, 128, 64)
+    assert tuning.split_rule(256, 524288, tile, sms=132) == (66, 8000)  # 2 tiles x 66 pieces
+    assert tuning.split_rule(14336, 4096, tuning.Tile(16, 64, 128), sms=132) == (1, 4096)
+    assert tuning.split_rule(4096, 14336, tuning.Tile(16, 64, 128), sms=132) == (3, 4864)
+    assert tuning.split_rule(256, 64, tile, sms=132)[0] == 1  # too short a K to cut
+
+
+def test_the_tuner_times_fixed_row_counts_and_keeps_its_choice(monkeypatch):
+    monkeypatch.setattr(tuning, "AUTOTUNE", True)
+    monkeypatch.setattr(tuning, "_chosen", {})
+    seen = []
+    fake_ms = lambda plan, rows: seen.append(rows) or (1.0 if plan.splits == 1 else 2.0)
+    chosen = tuning.plan("gemv", 33, 200, ("a dtype",), fake_ms)  # split 7 ways, or not
+    assert chosen.splits == 1 and sorted(set(seen)) == sorted(tuning.TUNE_ROWS["gemv"])
+    timed = len(seen)
+    assert tuning.plan("gemv", 33, 200, ("a dtype",), fake_ms) is chosen and len(seen) == timed
+
+
+def test_the_tuner_minds_the_worst_row_count():
+    fast_at_1, even = tuning.Plan(None, 1, 32), tuning.Plan(None, 2, 32)
+    times = {(fast_at_1, 1): 1.0, (fast_at_1, 64): 3.0, (even, 1): 1.2, (even, 64): 2.0}
+    assert tuning.least_regret([fast_at_1, even], (1, 64), lambda p, m: times[p, m]) is even
+
+
+# Batch sizes around the CPU tile's 16 rows; every row up to 33 also computed alone.
+BATCHES = (1, 2, 3, 15, 16, 17, 31, 32, 33)
+
+
+@pytest.mark.parametrize("splits", [None, 1], ids=["default_split", "unsplit"])
+def test_rows_do_not_depend_on_the_batch(splits):
+    a, b = operands(33, 33, 200, torch.float32, seed=7)  # the default cuts K into 7 pieces
+    assert_rows_invariant(lambda t: matmul_split_k(t, b, splits=splits), a, BATCHES)
+
+
+def test_a_split_chosen_from_m_would_change_the_bits():
+    # the negative control: the same product with the split following M is not invariant
+    a, b = operands(24, 33, 200, torch.float32, seed=8)
+    with pytest.raises(AssertionError, match="differ from the same rows computed alone"):
+        assert_rows_invariant(lambda t: matmul_split_k(t, b, splits=len(t) % 5 + 1), a, [24])
+
+
+def test_run_to_run_bitwise_identical():
+    a, b = operands(17, 33, 500, torch.float32, seed=9)
+    assert torch.equal(matmul_split_k(a, b), matmul_split_k(a, b))
+
+
+def test_non_contiguous_operands():
+    a = check.random_tensor((30, 14), seed=11, scale=0.5).t()  # (14, 30), column-major
+    b = check.random_tensor((30, 80), seed=12, scale=0.5)[:, ::2]  # (30, 40), every other column
+    assert not a.is_contiguous() and not b.is_contiguous()
+    check_split_k(a, b, splits=2)
+
+
+@pytest.mark.parametrize("m, n, k", [(0, 5, 7), (3, 0, 7), (3, 5, 0)])
+def test_empty_dims(m, n, k):
+    a, b = torch.randn(m, k, device=DEVICE), torch.randn(k, n, device=DEVICE)
+    bias = torch.randn(n, device=DEVICE)
+    out = matmul_split_k(a, b, bias, "relu")
+    assert out.shape == (m, n)
+    assert torch.equal(out, torch.relu(bias).expand(m, n))  # K = 0: act(bias) everywhere
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((torch.ones(3), torch.ones(3, 2)), ValueError, "a must have 2 dims"),
+        ((torch.ones(3, 4), torch.ones(5, 2)), ValueError, "a's columns to match b's rows"),
+        ((torch.ones(3, 4), torch.ones(4, 2, dtype=torch.float16)), TypeError, "share a dtype"),
+        ((torch.ones(3, 4, dtype=torch.int32), torch.ones(4, 2)), TypeError, "supported"),
+        ((torch.ones(3, 4), torch.ones(4, 2), torch.ones(3)), ValueError, "bias must have"),
+        ((torch.ones(3, 4), torch.ones(4, 2), None, "tanh"), ValueError, "activation"),
+        ((torch.ones(3, 4), torch.ones(4, 2), None, None, 0), ValueError, "splits must be"),
+        ((torch.ones(3, 4), torch.ones(4, 2), None, None, 2.0), TypeError, "splits must be"),
+        ((torch.ones(3, 4), torch.ones(4, 2), None, None, True), TypeError, "splits must be"),
+    ],
+)
+def test_bad_inputs_raise_before_launch(args, error, match):
+    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in args]
+    with pytest.raises(error, match=match):
+        matmul_split_k(*args)
+
+
+def test_the_operator_passes_opcheck_and_compiles_without_a_graph_break():
+    a, b = operands(3, 33, 70, torch.float32, seed=12)
+    bias = check.random_tensor((33,), seed=13)
+    torch.library.opcheck(matmul_split_k_op, (a, b, bias, "gelu", 2))
+    compiled = torch.compile(matmul_split_k, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(a, b, bias, "gelu"), matmul_split_k(a, b, bias, "gelu"))
+
+
+def test_forward_only_a_backward_raises():
+    a, b = operands(3, 5, 7, torch.float32)
+    out = matmul_split_k(a.requires_grad_(), b)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()
+
+
+@pytest.mark.gpu
+def test_large_k_on_the_gpu():
+    # KernelBench's shape, smaller K: 256 x 256 x 65536 in bf16, against fp64
+    a, b = operands(256, 256, 65536, torch.bfloat16, seed=14)
+    check_split_k(a, b)
+    assert_rows_invariant(lambda t: matmul_split_k(t, b), a[:40], batches=range(1, 41))
