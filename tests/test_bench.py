@@ -163,6 +163,7 @@ def test_the_registry_names_each_chapters_benchmarks_in_order():
         "norm_backward",
         "attention",
         "batch_invariant",
+        "overhead",
         "decode",
     ]
     modules = {name: fn.__module__ for name, fn in benchmarks.BENCHMARKS.items()}
@@ -171,6 +172,7 @@ def test_the_registry_names_each_chapters_benchmarks_in_order():
     assert modules["attention"] == "kernels.benchmarks.attention"
     assert modules["batch_invariant"] == "kernels.benchmarks.batch_invariant"
     assert modules["decode"] == "kernels.benchmarks.decode"
+    assert modules["overhead"] == "kernels.benchmarks.overhead"
     assert {modules[n] for n in ("add", "fusion", "softmax", "norm_backward")} == {
         "kernels.benchmarks.fusion"
     }
