@@ -25,6 +25,8 @@ from kernels.operators import operator, through_operator
 from kernels.split_k import product
 from kernels.validate import check_same, check_tensor
 
+MAX_ROWS = 64  # the decode shapes the kernel is tuned for; more rows work, a matmul suits them
+
 
 def check_linear_inputs(x, weight, bias, weight_dtypes=None):
     """x (M, K) and weight (N, K) on one device, bias (N,) in x's dtype or None; the weight in

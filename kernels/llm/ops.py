@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import attention as course_attention
-from kernels import batch_invariant
+from kernels import batch_invariant, gemv
 from kernels import matmul as course_matmul
 from kernels import norm as course_norm
 
@@ -30,11 +30,18 @@ def check_backend(backend: str) -> str:
 
 
 def linear(x, weight, backend):
-    """x (..., K) @ weight (N, K).T -> (..., N): one matmul of M = x.numel() / K rows."""
+    """x (..., K) @ weight (N, K).T -> (..., N): one matmul of M = x.numel() / K rows; a decode
+    step's few rows go to the GEMV (kernels.gemv), which reads each weight row once."""
     if backend == "torch":
         return F.linear(x, weight)
-    mm = batch_invariant.matmul if batch_invariant.enabled() else course_matmul.matmul
-    return mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    if batch_invariant.enabled():  # one kernel whatever M: the invariant matmul
+        out = batch_invariant.matmul(x2, weight.t())
+    elif x2.shape[0] <= gemv.MAX_ROWS:
+        out = gemv.linear(x2, weight)
+    else:
+        out = course_matmul.matmul(x2, weight.t())
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x, weight, eps, backend):
@@ -50,11 +57,9 @@ def rms_norm(x, weight, eps, backend):
 def attention(q, k, v, kv_lens, backend):
     """Causal attention of q (B, H, Sq, hd) over k, v (B, Hkv, Sk, hd) -> (B, H, Sq, hd)."""
     if batch_invariant.enabled():  # either backend: the split-KV kernel with kv_lens
-        k, v = repeat_kv_heads(k, v, q.shape[1])
         return batch_invariant.attention(q, k, v, causal=True, kv_lens=kv_lens)
     if backend == "torch":
         return sdpa_attention(q, k, v, causal=True, kv_lens=kv_lens)
-    k, v = repeat_kv_heads(k, v, q.shape[1])
     if kv_lens is None:
         return course_attention.attention(q, k, v, causal=True)
     # kernels.attention has no kv_lens: one launch for each distinct length, over its keys
@@ -64,16 +69,6 @@ def attention(q, k, v, kv_lens, backend):
         rows = torch.tensor([b for b, m in enumerate(lens) if m == n], device=q.device)
         out[rows] = course_attention.attention(q[rows], k[rows, :, :n], v[rows, :, :n], causal=True)
     return out
-
-
-def repeat_kv_heads(k, v, n_heads):
-    """(B, Hkv, S, hd) keys and values repeated to (B, n_heads, S, hd): query head h reads kv
-    head h // (n_heads / Hkv). A copy of the cache each step; it goes when kernels.attention
-    and the batch-invariant attention take grouped heads themselves."""
-    n_rep = n_heads // k.shape[1]
-    if n_rep == 1:
-        return k, v
-    return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
 
 
 def sdpa_attention(q, k, v, causal=False, kv_lens=None):
