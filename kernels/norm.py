@@ -81,9 +81,10 @@ def _check(x, eps, **params):
         check_row_vector(name, p, x)
     if x.shape[-1] > MAX_COLS:
         raise ValueError(f"rows longer than {MAX_COLS} are not supported, got {tuple(x.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) eps may be symbolic
+    if not 0 <= eps < math.inf:  # False for NaN too
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
