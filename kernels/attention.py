@@ -1,4 +1,4 @@
-"""Fused attention, FlashAttention-style: the forward kernel, the autograd Function, the reference.
+"""Fused attention, FlashAttention-style: the forward kernel, its operators, the reference.
 
 softmax(Q K^T * scale) V for (B, H, S, D) tensors without ever materializing the Sq x Sk scores.
 A program owns BLOCK_M query rows and streams over the keys and values BLOCK_N at a time, keeping

@@ -164,7 +164,8 @@ add_rms_norm_forward = operator(
 
 
 def _save_stats(ctx, inputs, output):
-    """Save x, the weight and the statistics (the forward's outputs after y); eps is done."""
+    """Save x, the weight and the statistics (the forward's outputs after y): all the
+    backward reads. The statistics get no gradient."""
     stats = output[1:]
     ctx.mark_non_differentiable(*stats)
     ctx.save_for_backward(*inputs[:2], *stats)

@@ -28,12 +28,17 @@ attention's log-sum-exp) are three operators each:
   backward graph holds it as one node too (no graph break, nothing traced into Triton);
 - `<name>` returns the first output alone (`one_output`): a CompositeImplicitAutograd op over
   `<name>_forward`, which autograd and torch.compile see through. It is what a user calls as
-  torch.ops.brrr.rms_norm(x, w, eps); the public function calls `<name>_forward` directly.
+  torch.ops.brrr.rms_norm(x, w, eps); the public function calls `<name>_forward` directly
+  (one dispatch fewer).
 
-Saving the statistics costs 4 bytes a row; recomputing them instead would cost the backward a
-full extra pass (attention: the whole forward), so they are kept. Ops with no backward (the
-batch-invariant ones) raise torch's "no autograd formula was registered" error when a
-gradient reaches them, rather than returning an output cut out of the graph.
+Why save rather than recompute: the statistics cost 4 bytes a row. A norm's backward kernel
+could recompute rstd from the row it loads anyway, but attention's log-sum-exp would cost a
+whole forward pass again; one design serves all three, and the backward uses the forward's
+exact statistics. The fused add_rms_norm is built the same way (add_rms_norm_forward; its
+backward is rms_norm_backward at h plus the residual's identity gradient); the invariant
+matmul reuses matmul's backward through its own operator. Ops with no backward (the
+batch-invariant rms_norm and attention) raise torch's "no autograd formula was registered"
+error when a gradient reaches them, rather than returning an output cut out of the graph.
 """
 
 import torch
