@@ -1,4 +1,4 @@
-"""Fused attention, FlashAttention-style: the forward kernel, the autograd Function, the reference.
+"""Fused attention, FlashAttention-style: the forward kernel, its operators, the reference.
 
 softmax(Q K^T * scale) V for q (B, H, Sq, D) and k, v (B, H_kv, Sk, D) without ever materializing
 the Sq x Sk scores. Grouped-query attention: H is a multiple of H_kv, and query head h reads
@@ -33,6 +33,7 @@ from kernels.attention_tuning import (
     profiler_metadata,
     with_32bit_head_offsets,
 )
+from kernels.operators import one_output, operator, through_operator
 from kernels.primitives import (
     LOG2E,
     head_index,
@@ -152,20 +153,63 @@ def attention_forward(q, k, v, causal: bool, sm_scale: float, config=None):
     return o, lse
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
-        o, lse = attention_forward(q, k, v, causal, sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale, ctx.precision = causal, sm_scale, input_precision(q.dtype)
-        return o
+# The operators (see kernels.operators): brrr::attention_forward returns (O, LSE), the
+# log-sum-exp its registered backward passes to brrr::attention_backward; brrr::attention
+# returns O alone.
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        grads = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale, ctx.precision)
-        return *grads, None, None
+
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, causal, sm_scale)
+
+
+def _attention_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, causal: bool, sm_scale: float, precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return attention_backward(do, q, k, v, o, lse, causal, sm_scale, precision)
+
+
+def _contiguous_like(t):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+attention_forward_op = operator(
+    "attention_forward",
+    _attention_forward,
+    lambda q, k, v, causal, sm_scale: (
+        _contiguous_like(q),
+        q.new_empty(q.shape[:3], dtype=torch.float32),
+    ),
+)
+attention_backward_op = operator(
+    "attention_backward",
+    _attention_backward,
+    lambda do, q, k, v, o, lse, causal, sm_scale, precision: (
+        _contiguous_like(q),
+        _contiguous_like(k),
+        _contiguous_like(v),
+    ),
+)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, causal, sm_scale = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse)
+    # tl.dot's precision as of the forward (torch.get_float32_matmul_precision may change)
+    ctx.causal, ctx.sm_scale, ctx.precision = causal, sm_scale, input_precision(q.dtype)
+
+
+def _attention_grads(ctx, do, _dlse):
+    grads = attention_backward_op(do, *ctx.saved_tensors, ctx.causal, ctx.sm_scale, ctx.precision)
+    return *grads, None, None
+
+
+attention_forward_op.register_autograd(_attention_grads, setup_context=_attention_setup)
+one_output("attention", attention_forward_op)
 
 
 def check_attention_inputs(q, k, v, sm_scale):
@@ -213,7 +257,9 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None) -> t
     at "highest").
     """
     sm_scale = check_attention_inputs(q, k, v, sm_scale)
-    return _Attention.apply(q, k, v, bool(causal), sm_scale)
+    if through_operator(q, k, v):  # the operator torch.ops.brrr.attention
+        return attention_forward_op(q, k, v, bool(causal), sm_scale)[0]
+    return attention_forward(q, k, v, bool(causal), sm_scale)[0]
 
 
 def attention_ref(q, k, v, causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:

@@ -4,6 +4,8 @@ Both are memory-bound: add reads 2N and writes N elements; bias_gelu reads N (pl
 bias, once per row block) and writes N. One program handles BLOCK_SIZE elements.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -63,10 +65,7 @@ def bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_elements, n_cols, BLOCK_SIZE: t
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """GELU(x + bias), bias broadcast over the last dim; exact (erf) GELU, computed in fp32."""
-    check_tensor("x", x, min_ndim=1)
-    check_row_vector("bias", bias, x)
+def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     x, bias = x.contiguous(), bias.contiguous()
     out = torch.empty_like(x)
     n = x.numel()
@@ -74,6 +73,47 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         grid = (triton.cdiv(n, BLOCK_SIZE),)
         bias_gelu_kernel[grid](x, bias, out, n, x.shape[-1], BLOCK_SIZE=BLOCK_SIZE)
     return out
+
+
+def activation_grad(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """d act(z) / dz in fp32: exact GELU's Phi(z) + z * phi(z), ReLU's step (0 at z = 0).
+    Plain torch ops: inside a backward, torch.compile fuses them with their neighbours."""
+    z = z.float()
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(z * math.sqrt(0.5)))
+        pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+        return cdf + z * pdf
+    return (z > 0).float()
+
+
+def _bias_gelu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # x and bias: z = x + bias is recomputed, never stored
+
+
+def _bias_gelu_backward(ctx, dy):
+    # dz = dy * GELU'(x + b): dx = dz, dbias = dz summed over every leading dim. Reads dy and
+    # x, writes dx: a memory-bound chain that the compiled backward fuses.
+    x, bias = ctx.saved_tensors
+    dz = dy.float() * activation_grad(x.float() + bias.float(), "gelu")
+    rows = math.prod(x.shape[:-1])
+    dbias = dz.reshape(rows, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+    return dz.to(x.dtype), None if dbias is None else dbias.to(bias.dtype)
+
+
+bias_gelu_op = operator(
+    "bias_gelu",
+    _bias_gelu,
+    fake=lambda x, bias: torch.empty_like(x, memory_format=torch.contiguous_format),
+)
+bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU(x + bias), bias broadcast over the last dim; exact (erf) GELU, computed in fp32.
+    The operator torch.ops.brrr.bias_gelu; differentiable in x and bias."""
+    check_tensor("x", x, min_ndim=1)
+    check_row_vector("bias", bias, x)
+    return bias_gelu_op(x, bias) if through_operator(x, bias) else _bias_gelu(x, bias)
 
 
 def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

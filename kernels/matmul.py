@@ -9,20 +9,19 @@ before its one store, which saves a round trip of the M x N output through memor
 Two kernels compute the same tiles: matmul_kernel loads them through pointers, any layout;
 matmul_tma_kernel has Hopper's TMA copy them from tensor descriptors. Which one, and which
 copies come first, is kernels.matmul_tuning.plan()'s decision, made once per call.
-The backward is three more matmuls through the same launcher (see MatmulFunction).
+The backward is more matmuls through the same kernels (see matmul_grads), as operators.
 """
-
-import math
 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from kernels import matmul_tuning as tuning
+from kernels.elementwise import activation_grad
+from kernels.operators import operator, through_operator
 from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
 from kernels.runtime import INTERPRET
-from kernels.validate import check_matmul_inputs, needs_grad
+from kernels.validate import check_matmul_inputs
 
 
 @triton.jit(launch_metadata=matmul_launch_metadata)
@@ -174,47 +173,56 @@ def chosen_config(a, b, bias=None, activation=None):
     return _chosen.get(_plan_key(a, b, _flags(how, bias, activation), how.tma)), how.tma
 
 
-def _activation_grad(z, activation):
-    """d act(z) / dz in fp32: exact GELU's Phi(z) + z * phi(z), ReLU's step (0 at z = 0)."""
-    z = z.float()
-    if activation == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * math.sqrt(0.5)))
-        pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-        return cdf + z * pdf
-    return (z > 0).float()
+def _matmul_op_impl(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    kernel: str | None,
+) -> torch.Tensor:
+    return _matmul(a, b, bias, activation, kernel)
 
 
-class MatmulFunction(torch.autograd.Function):
-    """out = act(a @ b + bias). With dz = dout * act'(z), z = a @ b + bias: da = dz @ b.T,
-    db = a.T @ dz, dbias = dz summed over rows; each a matmul (2*M*N*K FLOPs) through the
-    same launcher, computed only when asked for. z is recomputed (one more matmul) rather
-    than stored, and only when there is an activation."""
+def matmul_fake(a, b, bias=None, activation=None, kernel=None):
+    return a.new_empty((a.shape[0], b.shape[1]))
 
-    @staticmethod
-    def forward(ctx, a, b, bias, activation, kernel):
-        ctx.save_for_backward(a, b, bias)
-        ctx.activation, ctx.kernel = activation, kernel
-        return _matmul(a, b, bias, activation, kernel)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        a, b, bias = ctx.saved_tensors
-        needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
-        dz = dout
-        if ctx.activation is not None:
-            z = _matmul(a, b, bias, None, ctx.kernel)  # (M, N), in a's dtype
-            dz = (dout.float() * _activation_grad(z, ctx.activation)).to(a.dtype)
-        da = _matmul(dz, b.t(), None, None, None) if needs_a else None  # (M, N) @ (N, K)
-        db = _matmul(a.t(), dz, None, None, None) if needs_b else None  # (K, M) @ (M, N)
-        dbias = dz.sum(0, dtype=torch.float32).to(a.dtype) if needs_bias else None
-        return da, db, dbias, None, None
+def save_operands(ctx, inputs, output):
+    """What matmul_grads needs: the operands (z is recomputed) and the flags."""
+    a, b, bias, activation, *kernel = inputs
+    ctx.save_for_backward(a, b, bias)
+    ctx.activation, ctx.kernel = activation, kernel
+
+
+def matmul_grads(op, ctx, dout):
+    """The backward of out = act(a @ b + bias), through `op` (a matmul operator with the
+    schema (a, b, bias, activation, *kernel)). With dz = dout * act'(z), z = a @ b + bias:
+    da = dz @ b.T, db = a.T @ dz, dbias = dz summed over rows; each a matmul (2*M*N*K FLOPs),
+    computed only when asked for. z is recomputed (one more matmul) rather than stored, and
+    only when there is an activation."""
+    a, b, bias = ctx.saved_tensors
+    needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
+    dz = dout
+    if ctx.activation is not None:
+        z = op(a, b, bias, None, *ctx.kernel)  # (M, N), in a's dtype
+        dz = (dout.float() * activation_grad(z, ctx.activation)).to(a.dtype)
+    plan = (None,) * len(ctx.kernel)  # the gradients' matmuls: the plan's choice of kernel
+    da = op(dz, b.t(), None, None, *plan) if needs_a else None  # (M, N) @ (N, K)
+    db = op(a.t(), dz, None, None, *plan) if needs_b else None  # (K, M) @ (M, N)
+    dbias = dz.sum(0, dtype=torch.float32).to(a.dtype) if needs_bias else None
+    return da, db, dbias, None, *(None for _ in ctx.kernel)
+
+
+matmul_op = operator("matmul", _matmul_op_impl, matmul_fake)
+matmul_op.register_autograd(
+    lambda ctx, dout: matmul_grads(matmul_op, ctx, dout), setup_context=save_operands
+)
 
 
 def _checked(a, b, bias, activation, kernel):
     check_matmul_inputs(a, b, bias, activation)
-    if needs_grad(a, b, bias):
-        return MatmulFunction.apply(a, b, bias, activation, kernel)
+    if through_operator(a, b, bias):
+        return matmul_op(a, b, bias, activation, kernel)
     return _matmul(a, b, bias, activation, kernel)
 
 

@@ -13,6 +13,32 @@ What a public function (`kernels.norm.rms_norm`, ...) does, in order:
 3. Otherwise (eager, nothing to differentiate) it launches the kernel directly: the operator's
    dispatch costs microseconds of host time that a small input cannot hide (Chapter 1's overhead
    regime; `python -m kernels bench overhead` measures each rung).
+
+Autograd. The simple ops register a backward on their one operator: add (two identity
+gradients), bias_gelu and softmax (a few torch ops on the saved input or output, which
+torch.compile traces with the rest of the backward), matmul (three more matmuls through
+torch.ops.brrr.matmul itself, so the backward runs on the course's kernel too). The ops whose
+backward needs statistics of the forward (RMSNorm's rstd, LayerNorm's mean and rstd,
+attention's log-sum-exp) are three operators each:
+
+- `<name>_forward` returns the output AND the statistics (one fp32 per row): they are outputs
+  of the operator, so autograd saves them and torch.compile sees them in its graph; its
+  registered backward calls
+- `<name>_backward`, the Triton backward as an operator of its own, so that a compiled
+  backward graph holds it as one node too (no graph break, nothing traced into Triton);
+- `<name>` returns the first output alone (`one_output`): a CompositeImplicitAutograd op over
+  `<name>_forward`, which autograd and torch.compile see through. It is what a user calls as
+  torch.ops.brrr.rms_norm(x, w, eps); the public function calls `<name>_forward` directly
+  (one dispatch fewer).
+
+Why save rather than recompute: the statistics cost 4 bytes a row. A norm's backward kernel
+could recompute rstd from the row it loads anyway, but attention's log-sum-exp would cost a
+whole forward pass again; one design serves all three, and the backward uses the forward's
+exact statistics. The fused add_rms_norm is built the same way (add_rms_norm_forward; its
+backward is rms_norm_backward at h plus the residual's identity gradient); the invariant
+matmul reuses matmul's backward through its own operator. Ops with no backward (the
+batch-invariant rms_norm and attention) raise torch's "no autograd formula was registered"
+error when a gradient reaches them, rather than returning an output cut out of the graph.
 """
 
 import torch
@@ -34,6 +60,25 @@ def operator(name: str, impl, fake):
     op.register_fake(fake)
     REGISTERED.append(name)
     return op
+
+
+def one_output(name: str, forward_op, n_outputs: int = 1):
+    """Register torch.ops.brrr.<name>: `forward_op`'s first `n_outputs` outputs, with its
+    arguments (the rest of its outputs are statistics for its backward). Composite: autograd,
+    fake tensors and torch.compile see `forward_op` inside it, so it needs nothing else."""
+    schema = forward_op._opoverload._schema
+    arguments = str(schema).removeprefix(schema.name).split(" -> ")[0]
+    returns = "Tensor" if n_outputs == 1 else "(" + ", ".join(["Tensor"] * n_outputs) + ")"
+    qualname = f"{NAMESPACE}::{name}"
+    torch.library.define(qualname, f"{arguments} -> {returns}")
+
+    def first_outputs(*args):
+        out = forward_op(*args)
+        return out[0] if n_outputs == 1 else tuple(out[:n_outputs])
+
+    torch.library.impl(qualname, "CompositeImplicitAutograd")(first_outputs)
+    REGISTERED.append(name)
+    return getattr(getattr(torch.ops, NAMESPACE), name)
 
 
 def through_operator(*tensors) -> bool:

@@ -10,12 +10,16 @@ Two kernels, chosen by row length:
   sum over blocks of the row (pass 1), then writes exp(x - max) / sum (pass 2): the row is
   read twice (the second read is often served from L2) and written once.
 Both compute in fp32 whatever the input dtype.
+
+Backward, from the saved output y: dx = y * (dy - sum_j dy_j y_j), in fp32 (torch ops that a
+compiled backward fuses: reads y and dy, writes dx).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.operators import operator, through_operator
 from kernels.validate import check_tensor
 
 FUSED_MAX_COLS = 32768  # longest row kept whole in registers (fp32: 32 values per thread)
@@ -94,20 +98,52 @@ def _launch(x: torch.Tensor, streamed: bool, block: int | None = None) -> torch.
     return out
 
 
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    return _launch(x, streamed=x.shape[-1] > FUSED_MAX_COLS)
+
+
+def _softmax_streamed(x: torch.Tensor, block: int | None) -> torch.Tensor:
+    return _launch(x, streamed=True, block=block)
+
+
+def _save_output(ctx, inputs, output):
+    ctx.save_for_backward(output)  # y alone: the backward needs nothing else
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    y32, dy32 = y.float(), dy.float()
+    dx = y32 * (dy32 - (dy32 * y32).sum(-1, keepdim=True))
+    return (dx.to(y.dtype),) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def _like_x(x, *_):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+softmax_op = operator("softmax", _softmax, fake=_like_x)
+softmax_op.register_autograd(_softmax_backward, setup_context=_save_output)
+softmax_streamed_op = operator("softmax_streamed", _softmax_streamed, fake=_like_x)
+softmax_streamed_op.register_autograd(_softmax_backward, setup_context=_save_output)
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim of `x` (any leading dims), computed in fp32, returned in
-    x's dtype. Rows up to FUSED_MAX_COLS are read once; longer rows are streamed."""
+    x's dtype. Rows up to FUSED_MAX_COLS are read once; longer rows are streamed. The
+    operator torch.ops.brrr.softmax; differentiable."""
     check_tensor("x", x, min_ndim=1)
-    return _launch(x, streamed=x.shape[-1] > FUSED_MAX_COLS)
+    return softmax_op(x) if through_operator(x) else _softmax(x)
 
 
 def softmax_streamed(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """The streamed (online-softmax) kernel at any row length, `block` columns per step
-    (a power of two; default min(STREAM_BLOCK, next_power_of_2(n_cols)))."""
+    (a power of two; default min(STREAM_BLOCK, next_power_of_2(n_cols))); differentiable."""
     check_tensor("x", x, min_ndim=1)
     if block is not None and (not isinstance(block, int) or block < 1 or block & (block - 1)):
         raise ValueError(f"block must be a power of two, got {block!r}")
-    return _launch(x, streamed=True, block=block)
+    if through_operator(x):
+        return softmax_streamed_op(x, block)
+    return _softmax_streamed(x, block)
 
 
 def softmax_ref(x: torch.Tensor) -> torch.Tensor:

@@ -244,10 +244,11 @@ def overhead(run):
         "check_tensor": lambda: (check_tensor("x", tiny), check_row_vector("weight", w, tiny)),
         "torch.empty": lambda: torch.empty(tiny.shape, dtype=tiny.dtype, device=tiny.device),
         "raw rms launch": lambda: norm.rms_norm_fwd_kernel[(1,)](
-            tiny, w, out, rstd, cols, cols, cols, 1e-6, BLOCK=triton.next_power_of_2(cols)
+            *(tiny, w, out, rstd, cols, cols, cols, 1e-6, tiny, out, cols),
+            BLOCK=triton.next_power_of_2(cols),
         ),
         "rms_norm, no autograd": lambda: norm.rms_norm(tiny, w),
-        "Function.apply": lambda: norm.RMSNormFunction.apply(tiny, w, 1e-6),
+        "operator": lambda: norm.rms_norm_forward(tiny, w, 1e-6),
     }
     run.results["pieces_us"] = {k: host_us(f) for k, f in pieces.items()}
     print("  pieces (host us):", {k: round(v, 1) for k, v in run.results["pieces_us"].items()})
@@ -271,7 +272,7 @@ def _norm_forward_shape(run, m, n):
         launches = {
             "rms": partial(
                 norm.rms_norm_fwd_kernel[(m,)],
-                *(x, w, y, rstd, n, n, n, 1e-6),
+                *(x, w, y, rstd, n, n, n, 1e-6, x, y, n),
                 BLOCK=block,
                 num_warps=warps,
             ),
@@ -317,7 +318,8 @@ def _norm_backward_shape(run, m, n):
     dy, w = torch.randn_like(x), torch.randn(n, device=DEVICE, dtype=x.dtype)
     rstd = torch.empty(m, device=DEVICE)  # fp32, one per row: what the forward keeps
     block = triton.next_power_of_2(n)
-    norm.rms_norm_fwd_kernel[(m,)](x, w, torch.empty_like(x), rstd, n, n, n, 1e-6, BLOCK=block)
+    y = torch.empty_like(x)
+    norm.rms_norm_fwd_kernel[(m,)](x, w, y, rstd, n, n, n, 1e-6, x, y, n, BLOCK=block)
     x64, w64 = (t.double().requires_grad_() for t in (x, w))
     expected = torch.autograd.grad(norm.rms_norm_ref(x64, w64), (x64, w64), dy.double())
     dx = torch.empty_like(x)

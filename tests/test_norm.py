@@ -6,7 +6,16 @@ from params import DTYPES, attached_metadata
 
 from kernels import check
 from kernels import norm as norm_module
-from kernels.norm import MAX_COLS, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
+from kernels import norm_backward as norm_backward_module
+from kernels.norm import (
+    MAX_COLS,
+    add_rms_norm,
+    add_rms_norm_ref,
+    layer_norm,
+    layer_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from kernels.runtime import DEVICE
 
 SHAPES = [(1, 1), (4, 1), (3, 127), (5, 129), (129, 33), (2, 5, 1000), (3, 4097), (2, 3, 128)]
@@ -127,8 +136,9 @@ def test_gradient_for_x_only_and_no_grad(op):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape", [(0, 8), (4, 0), (2, 0, 3)], ids=str)
 def test_empty_tensors_launch_nothing(op, shape, monkeypatch):
-    for name in ("rms_norm_fwd_kernel", "layer_norm_fwd_kernel", "norm_bwd_kernel"):
+    for name in ("rms_norm_fwd_kernel", "layer_norm_fwd_kernel"):
         monkeypatch.setattr(norm_module, name, None)  # any launch would fail
+    monkeypatch.setattr(norm_backward_module, "norm_bwd_kernel", None)
     kernel, _, n_params = OPS[op]
     x = torch.empty(shape, device=DEVICE).requires_grad_()
     params = [torch.randn(shape[-1], device=DEVICE).requires_grad_() for _ in range(n_params)]
@@ -216,3 +226,62 @@ def test_launch_metadata_names_shape_flops_and_bytes(dtype):
     )
     assert layer_norm["flops"] == 13 * rows * cols  # and mean, db partials: twice the fp32
     assert layer_norm["bytes"] == es * (3 * rows * cols + cols) + 8 * (rows + programs * cols)
+
+
+# --- the fused residual add + RMSNorm ------------------------------------------------------
+
+
+def _add_inputs(shape, dtype, seed=20):
+    x = check.random_tensor(shape, dtype, seed=seed, scale=2.0)
+    residual = check.random_tensor(shape, dtype, seed=seed + 1, scale=3.0)
+    return x, residual, check.random_tensor(shape[-1:], dtype, seed=seed + 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 127), (5, 129), (2, 5, 1000), (3, 4097)], ids=str)
+def test_add_rms_norm_is_torchs_add_then_rms_norm(shape, dtype):
+    x, residual, w = _add_inputs(shape, dtype)
+    y, h = add_rms_norm(x, residual, w)
+    assert torch.equal(h, x + residual)  # rounded to x's dtype exactly as torch rounds it
+    y_ref, h_ref = add_rms_norm_ref(x.double(), residual.double(), w.double())
+    check.assert_close(y, rms_norm_ref(h.double(), w.double()), op="reduction")
+    check.assert_close(y, y_ref, op="reduction")  # the rounding of h is within the tolerance
+    assert y.dtype == h.dtype == dtype and y.is_contiguous() and h.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(3, 127), (9, 65), (2, 3, 1000)], ids=str)
+def test_add_rms_norm_gradients_match_fp64_autograd(shape, dtype):
+    x, residual, w = _add_inputs(shape, dtype, seed=30)
+    dy, dh = (check.random_tensor(shape, dtype, seed=s) for s in (33, 34))
+    leaves = [t.clone().requires_grad_() for t in (x, residual, w)]
+    y, h = add_rms_norm(*leaves)
+    grads = torch.autograd.grad((y, h), leaves, (dy, dh))
+    # the reference normalizes h as the kernel does, rounded to x's dtype (torch's x + residual)
+    h64, w64 = (x + residual).double().requires_grad_(), w.double().requires_grad_()
+    y64 = rms_norm_ref(h64, w64)
+    dh64, dw64 = torch.autograd.grad((y64, h64), (h64, w64), (dy.double(), dh.double()))
+    for name, g, g64 in zip(["dx", "dresidual", "dweight"], grads, (dh64, dh64, dw64), strict=True):
+        assert g.dtype == dtype, name
+        result = check.compare(g, g64, op="reduction", dtype=dtype)
+        assert result.ok, f"{name}: {result.message}"
+    assert torch.equal(grads[0], grads[1])  # h = x + residual: one gradient for both
+
+
+def test_add_rms_norm_non_contiguous_empty_and_bad_inputs():
+    x, residual, w = _add_inputs((40, 130), torch.float32, seed=40)
+    other = check.random_tensor((130, 80), seed=41)[:, ::2]  # strided rows, unlike x.t()'s
+    y, h = add_rms_norm(x.t(), other, w[:40])
+    assert torch.equal(h, x.t() + other)
+    check.assert_close(y, rms_norm_ref(h.double(), w[:40].double()), op="reduction")
+    empty = torch.empty(0, 8, device=DEVICE)
+    y, h = add_rms_norm(empty, empty, torch.ones(8, device=DEVICE))
+    assert y.shape == h.shape == (0, 8)
+    with pytest.raises(ValueError, match=r"x and residual must have the same shape"):
+        add_rms_norm(x, residual[:3], w)
+    with pytest.raises(TypeError, match="x and residual must share a dtype"):
+        add_rms_norm(x, residual.half(), w)
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        add_rms_norm(x, 1.0, w)
+    with pytest.raises(ValueError, match=r"must have x's last dim"):
+        add_rms_norm(x, residual, w[:7])

@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels.batch_invariant.rows import add_combine
+from kernels.matmul import matmul_fake, matmul_grads, save_operands
 from kernels.matmul import matmul_ref as matmul_ref  # the course's reference: the same maths
+from kernels.operators import operator, through_operator
 from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import check_matmul_inputs, input_precision
@@ -81,10 +83,9 @@ def invariant_matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
-    """a (M, K) @ b (K, N) (+ bias (N,)) then `activation` in {None, "gelu", "relu"}; fp32
-    accumulation, output in the inputs' dtype. Row i of the result does not depend on M."""
-    check_matmul_inputs(a, b, bias, activation)
+def _matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
     (M, K), N = a.shape, b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
@@ -100,3 +101,21 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torc
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, **cfg,
     )  # fmt: skip
     return c
+
+
+# torch.ops.brrr.invariant_matmul. Its backward is the course's matmul backward (three
+# matmuls) through this same operator, so the gradients are batch-invariant too.
+invariant_matmul = operator("invariant_matmul", _matmul, matmul_fake)
+invariant_matmul.register_autograd(
+    lambda ctx, dout: matmul_grads(invariant_matmul, ctx, dout), setup_context=save_operands
+)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """a (M, K) @ b (K, N) (+ bias (N,)) then `activation` in {None, "gelu", "relu"}; fp32
+    accumulation, output in the inputs' dtype. Row i of the result does not depend on M.
+    The operator torch.ops.brrr.invariant_matmul; differentiable."""
+    check_matmul_inputs(a, b, bias, activation)
+    if through_operator(a, b, bias):
+        return invariant_matmul(a, b, bias, activation)
+    return _matmul(a, b, bias, activation)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.norm import rms_norm_ref as rms_norm_ref  # the course's reference: the same maths
+from kernels.operators import operator, through_operator
 from kernels.runtime import pick
 from kernels.validate import check_row_vector, check_tensor
 
@@ -181,10 +182,7 @@ def _launch(kernel, n_rows, n_cols, *args, **constants):
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32."""
-    check_tensor("x", x, min_ndim=1)
-    check_row_vector("weight", weight, x)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = _as_rows(x)
     out = torch.empty_like(x2)
     n_rows, n_cols = x2.shape
@@ -192,6 +190,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         _launch(rms_norm_kernel, n_rows, n_cols, x2, weight.contiguous(), out,
                 n_rows, n_cols, x2.stride(0), out.stride(0), eps)  # fmt: skip
     return out.reshape(x.shape)
+
+
+# torch.ops.brrr.invariant_rms_norm: forward only (a gradient reaching it raises torch's error)
+invariant_rms_norm = operator(
+    "invariant_rms_norm",
+    _rms_norm,
+    lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format),
+)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32. The operator
+    torch.ops.brrr.invariant_rms_norm (no backward)."""
+    check_tensor("x", x, min_ndim=1)
+    check_row_vector("weight", weight, x)
+    if through_operator(x, weight):
+        return invariant_rms_norm(x, weight, float(eps))
+    return _rms_norm(x, weight, eps)
 
 
 def mean(x: torch.Tensor, keepdim: bool = False, dtype=None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from kernels.attention import attention_ref as course_attention_ref
 from kernels.attention import check_attention_inputs
 from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
+from kernels.operators import operator, through_operator
 from kernels.primitives import LOG2E
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import input_precision
@@ -189,8 +190,19 @@ def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tenso
     on the batch or on Sq."""
     sm_scale = check_attention_inputs(q, k, v, sm_scale)  # shapes, heads, head dim, scale
     B, H, Sq, D = q.shape
+    lens = _kv_lens(kv_lens, B, q.device)
+    if through_operator(q, k, v):  # the operator torch.ops.brrr.invariant_attention
+        return invariant_attention(q, k, v, bool(causal), sm_scale, lens)
+    return _attention(q, k, v, bool(causal), sm_scale, lens)
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float,
+    lens: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    B, H, Sq, D = q.shape
     Sk, group = k.shape[2], H // max(k.shape[1], 1)
-    lens = _kv_lens(kv_lens, B, Sk, q.device)
+    _check_kv_lens_values(lens, Sk)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
@@ -230,8 +242,18 @@ def split_stages(dtype, block_d: int) -> int:
     return 1 if dtype == torch.float32 and block_d > 128 else 2
 
 
-def _kv_lens(kv_lens, B, Sk, device):
-    """kv_lens as an int32 tensor on the kernels' device, checked (on the host when given there)."""
+# torch.ops.brrr.invariant_attention: forward only (a gradient reaching it raises torch's error)
+invariant_attention = operator(
+    "invariant_attention",
+    _attention,
+    lambda q, k, v, causal, sm_scale, lens: torch.empty_like(
+        q, memory_format=torch.contiguous_format
+    ),
+)
+
+
+def _kv_lens(kv_lens, B, device):
+    """kv_lens as an int32 tensor on the kernels' device, its type and length checked."""
     if kv_lens is None:
         return None
     if not isinstance(kv_lens, torch.Tensor):
@@ -241,9 +263,14 @@ def _kv_lens(kv_lens, B, Sk, device):
                         f"{tuple(kv_lens.shape)}")  # fmt: skip
     if kv_lens.shape[0] != B:
         raise ValueError(f"kv_lens must have B = {B} entries, got {kv_lens.shape[0]}")
-    if bool(((kv_lens < 0) | (kv_lens > Sk)).any()):
-        raise ValueError(f"kv_lens must be in [0, Sk = {Sk}], got {kv_lens.tolist()}")
     return kv_lens.to(device=device, dtype=torch.int32)
+
+
+def _check_kv_lens_values(lens, Sk):
+    """The values of kv_lens, checked inside the operator: a check that reads a tensor's
+    values would break a torch.compile graph, so it runs where the kernel does."""
+    if lens is not None and bool(((lens < 0) | (lens > Sk)).any()):
+        raise ValueError(f"kv_lens must be in [0, Sk = {Sk}], got {lens.tolist()}")
 
 
 def attention_ref(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tensor:
