@@ -13,9 +13,12 @@ from params import DTYPES
 import kernels.attention
 import kernels.batch_invariant as invariant
 import kernels.elementwise
+import kernels.gemv
+import kernels.int8
 import kernels.matmul
 import kernels.norm
 import kernels.softmax
+import kernels.split_k
 from kernels import check
 from kernels.operators import REGISTERED
 from kernels.runtime import DEVICE
@@ -59,6 +62,11 @@ def _attention_backward(dtype):
     return (_t(o.shape, dtype, 29), q, k, v, o, lse, True, 0.25, precision)
 
 
+def _int8_inputs(dtype):
+    qweight, scale = kernels.int8.quantize(_t((9, 33), torch.float32, 2))
+    return (_t((3, 33), dtype, 1), qweight, scale, _t((9,), dtype, 3))
+
+
 def _kv_lens(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
@@ -87,6 +95,12 @@ OPCHECK_CASES = {
     "attention_forward": lambda d: [(*_qkv(d, True), True, 0.25)],
     "attention": lambda d: [(*_qkv(d, True), False, 0.25)],
     "attention_backward": lambda d: [_attention_backward(d)],
+    "linear": lambda d: [
+        (_t((3, 33), d, 1), _t((9, 33), d, 2), _t((9,), d, 3)),
+        (_t((1, 33), d, 1), _t((9, 33), d, 2), None),
+    ],
+    "linear_int8": lambda d: [_int8_inputs(d)],
+    "matmul_split_k": lambda d: [(_t((5, 70), d, 1), _t((70, 3), d, 2), _t((3,), d, 3), "gelu", 3)],
     "invariant_rms_norm": lambda d: [(*_flat(_norm_inputs(d, False)), 1e-6)],
     "invariant_matmul": lambda d: [
         (_t((5, 7), d, 1, True), _t((7, 3), d, 2, True), _t((3,), d, 3, True), "relu")
