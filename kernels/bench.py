@@ -17,7 +17,14 @@ from pathlib import Path
 
 import torch
 
-from kernels.roofline import RooflinePoint, plot_roofline, predicted_ms, ridge_point
+from kernels.roofline import (
+    RooflinePoint,
+    best_roofs,
+    datasheet_ceilings,
+    plot_roofline,
+    predicted_ms,
+    ridge_point,
+)
 from kernels.runtime import DEVICE, ON_GPU, versions
 
 __all__ = [
@@ -38,6 +45,8 @@ __all__ = [
     "plot_roofline",
     "predicted_ms",
     "ridge_point",
+    "best_roofs",
+    "datasheet_ceilings",
 ]
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -215,6 +224,12 @@ def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None)
     reads more than it writes can go a few percent past it: DRAM turns around less often).
     matmul_tflops: 2*n^3 / time for an n x n x n `torch.matmul` per dtype (cuBLAS on a GPU,
     the CPU's BLAS otherwise), on random inputs; fp32 at torch's default "highest" precision.
+    add_gbps: `torch.add(x, y, out=z)` on tensors of half the copy's size, counting its two reads
+    and one write: the read-mostly stream beside the 1:1 copy.
+    fma_tflops (GPU only, {} on a CPU, where the interpreter runs the loop in Python):
+    {"fp32": rate} of the course's FMA loop (kernels.regimes.repeat_fma) at FMA_PROBE_REPEAT
+    FMAs per element, its plateau: the fp32 roof, which cuBLAS's SGEMM does not reach.
+    Roofs for a plot come from kernels.roofline.best_roofs(ceilings).
     """
     copy_bytes = copy_bytes or (1 << 30 if ON_GPU else 1 << 26)  # well past the L2 / last cache
     numel = copy_bytes // 4
@@ -233,7 +248,29 @@ def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None)
             tflops[name] = achieved_tflops(2 * n**3, time_ms(torch.matmul, a, b))
     finally:
         torch.set_float32_matmul_precision(previous)
-    return {"copy_gbps": achieved_gbps(2 * numel * 4, copy_ms), "matmul_tflops": tflops}
+    return {
+        "copy_gbps": achieved_gbps(2 * numel * 4, copy_ms),
+        "matmul_tflops": tflops,
+        "add_gbps": _add_gbps(numel // 2),
+        "fma_tflops": {"fp32": _fma_plateau_tflops(numel)} if ON_GPU else {},
+    }
+
+
+FMA_PROBE_REPEAT = 2048  # FMAs per element: compute takes about 30x the memory time, a plateau
+
+
+def _add_gbps(numel: int) -> float:
+    x, y = torch.rand(2, numel, device=DEVICE)
+    out = torch.empty_like(x)
+    return achieved_gbps(3 * numel * 4, time_ms(torch.add, x, y, out=out))  # 2 reads, 1 write
+
+
+def _fma_plateau_tflops(numel: int) -> float:
+    from kernels import regimes
+
+    x = torch.rand(numel, device=DEVICE)
+    ms = time_ms(regimes.repeat_fma, x, FMA_PROBE_REPEAT)
+    return achieved_tflops(regimes.repeat_fma_flops(numel, FMA_PROBE_REPEAT), ms)
 
 
 # Recorded results: one JSON file per chapter under kernels/data/<gpu>/, written on a GPU,

@@ -5,6 +5,10 @@ repeat_fma: load each element once, apply `repeat` multiply-adds in registers, s
   walks one kernel from memory-bound to compute-bound, and the knee is the machine's ridge.
 cos_cos: cos(cos(x)) in one pass: half the bytes of eager `x.cos().cos()` (which writes the
   intermediate to memory and reads it back).
+
+Reading them: `sweep_knee` (where the repeat sweep bends), `fma_budget` (how many FMAs per
+element a memory-bound kernel gets for free) and `double_the_batch` (the overhead test, with
+the one threshold the chapter and Lab 1 share).
 """
 
 import torch
@@ -34,7 +38,9 @@ def repeat_fma_bytes(n: int, element_size: int) -> int:
 
 
 def cos_cos_flops(n: int) -> int:
-    return 2 * n  # by convention one cos counts as one FLOP (it is really a few dozen)
+    # By convention one cos counts as one FLOP. The GPU runs a full-precision fp32 cosine as a
+    # range reduction and a polynomial: a few dozen instructions (see fma_budget).
+    return 2 * n
 
 
 def cos_cos_bytes(n: int, element_size: int, fused: bool = True) -> int:
@@ -163,3 +169,34 @@ def first_repeat_above(repeats, ms, factor: float = 1.25) -> int:
         if t > factor * ms[0]:
             return r
     raise ValueError(f"no time in the sweep exceeds {factor} x the first")
+
+
+def fma_budget(fma_tflops: float, gbps: float, bytes_per_element: int) -> float:
+    """FMAs per element the chip can issue while memory streams one element in and out: a
+    memory-bound elementwise kernel gets this many for free. (FMA/s) / (elements/s), with an FMA
+    = 2 FLOPs and `bytes_per_element` read plus written (8 for fp32 in and out, 4 for bf16).
+    Instructions that are not FMAs (a cosine's range reduction, an erf's polynomial, dtype
+    conversions) spend the same budget, some at a fraction of the FMA's issue rate."""
+    for name, value in (("fma_tflops", fma_tflops), ("gbps", gbps)):
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if isinstance(bytes_per_element, bool) or not isinstance(bytes_per_element, int):
+        raise TypeError(f"bytes_per_element must be an int, got {type(bytes_per_element).__name__}")
+    if bytes_per_element <= 0:
+        raise ValueError(f"bytes_per_element must be positive, got {bytes_per_element}")
+    return (fma_tflops * 1e12 / 2) / (gbps * 1e9 / bytes_per_element)
+
+
+# The double-the-batch test. If a call costs t(b) = c + w * b (a fixed cost c per call, work w
+# per item), doubling the batch multiplies the time by (c + 2wb) / (c + wb): below 1.5 exactly
+# when c > wb, i.e. when the fixed, per-call cost is the larger part of the time. He's rule of
+# thumb (a doubling that costs about 10% more) is the extreme case, c about 9x wb.
+OVERHEAD_GROWTH = 1.5
+
+
+def double_the_batch(ms: float, ms_doubled: float) -> str:
+    """'overhead-bound' when twice the batch took less than OVERHEAD_GROWTH times as long (the
+    per-call cost is most of the time), else 'scales with the work'."""
+    if not (ms > 0 and ms_doubled > 0):
+        raise ValueError(f"times must be positive, got {ms} and {ms_doubled}")
+    return "overhead-bound" if ms_doubled < OVERHEAD_GROWTH * ms else "scales with the work"

@@ -3,6 +3,10 @@
 A kernel that does F FLOPs and moves B bytes (read plus written) cannot finish faster than
 max(F / peak_flops, B / bandwidth). Its arithmetic intensity is F / B; the ridge point,
 peak_flops / bandwidth, is the intensity above which compute, not memory, sets the time.
+
+A roof is the rate of the best program that measures it (`best_roofs`): a roof that one of the
+course's own kernels beats is no roof. The datasheet's peaks (`datasheet_ceilings`) are drawn
+beside the measured ones, never instead of them.
 """
 
 from dataclasses import dataclass
@@ -37,6 +41,30 @@ def _peak(ceilings: dict, dtype: str) -> float:
             f"ceilings have no {dtype!r} matmul rate; they have "
             f"{sorted(ceilings.get('matmul_tflops', {}))}"
         ) from None
+
+
+def best_roofs(ceilings: dict) -> dict:
+    """The roofs to draw from measured ceilings (kernels.bench.measure_ceilings), in the same
+    {"copy_gbps", "matmul_tflops"} shape: per dtype the faster of torch's matmul and, where
+    measured (on a GPU), the course's own FMA loop at its plateau (`fma_tflops`): in fp32 a
+    cuBLAS SGEMM is not pure FMAs and stays below the loop. Bandwidth stays the 1:1 copy, the
+    stream an elementwise kernel that reads as much as it writes can reach (a read-mostly stream,
+    `add_gbps`, goes a few percent past it: the memory turns from reading to writing less often)."""
+    tflops = dict(ceilings["matmul_tflops"])
+    for dtype, rate in ceilings.get("fma_tflops", {}).items():
+        tflops[dtype] = max(rate, tflops.get(dtype, 0.0))
+    return {"copy_gbps": ceilings["copy_gbps"], "matmul_tflops": tflops}
+
+
+def datasheet_ceilings(gpu: str) -> dict:
+    """The datasheet's peaks of `gpu` (a kernels.bench.gpu_slug, e.g. "h200") in the shape of
+    measured ceilings, to draw beside them: HBM bandwidth and dense peaks per dtype."""
+    from kernels.roofs import DATASHEET
+
+    if gpu not in DATASHEET:
+        raise ValueError(f"no datasheet figures for {gpu!r}; known: {sorted(DATASHEET)}")
+    peaks = DATASHEET[gpu]
+    return {"copy_gbps": peaks["hbm_gbps"], "matmul_tflops": dict(peaks["tflops"])}
 
 
 def ridge_point(ceilings: dict, dtype: str = "fp32") -> float:

@@ -40,10 +40,23 @@ def test_rates_follow_their_formulas():
 
 def test_measure_ceilings_keys_and_magnitudes():
     c = bench.measure_ceilings(copy_bytes=1 << 24, matmul_n=128)
-    assert set(c) == {"copy_gbps", "matmul_tflops"}
+    assert set(c) == {"copy_gbps", "matmul_tflops", "add_gbps", "fma_tflops"}
     assert set(c["matmul_tflops"]) == {"bf16", "fp16", "fp32"}
-    assert 0.1 < c["copy_gbps"] < 10_000
+    assert 0.1 < c["copy_gbps"] < 10_000 and 0.1 < c["add_gbps"] < 10_000
     assert all(0 < v < 2_000 for v in c["matmul_tflops"].values())
+    assert c["fma_tflops"] == {}  # on a CPU the interpreter would run the FMA loop in Python
+
+
+def test_best_roofs_take_the_fastest_program_and_keep_the_copy():
+    measured = {**H200, "matmul_tflops": {"bf16": 700.0, "fp32": 50.9}, "add_gbps": 4400.0}
+    roofs = bench.best_roofs({**measured, "fma_tflops": {"fp32": 65.8}})
+    assert roofs == {"copy_gbps": 4240.0, "matmul_tflops": {"bf16": 700.0, "fp32": 65.8}}
+    assert bench.ridge_point(roofs, "fp32") == pytest.approx(65.8e12 / 4240e9)
+    assert bench.best_roofs(measured)["matmul_tflops"]["fp32"] == 50.9  # no FMA probe: a CPU
+    sheet = bench.datasheet_ceilings("h200")
+    assert sheet["copy_gbps"] == 4800.0 and sheet["matmul_tflops"]["fp32"] == 67.0
+    with pytest.raises(ValueError, match="no datasheet figures for 'laptop'"):
+        bench.datasheet_ceilings("laptop")
 
 
 def test_roofline_prediction_and_ridge():
@@ -125,6 +138,10 @@ def test_gpu_ceilings_are_plausible():
     c = bench.measure_ceilings()
     assert c["copy_gbps"] > 500
     assert c["matmul_tflops"]["bf16"] > 5 * c["matmul_tflops"]["fp32"]
+    # the course's FMA loop is the fp32 roof: at least cuBLAS's SGEMM, at most the datasheet
+    sheet = bench.datasheet_ceilings(bench.gpu_slug(torch.cuda.get_device_name()))
+    assert c["matmul_tflops"]["fp32"] <= c["fma_tflops"]["fp32"] <= sheet["matmul_tflops"]["fp32"]
+    assert 0.9 * c["copy_gbps"] < c["add_gbps"] <= sheet["copy_gbps"]
 
 
 def test_loop_us_times_each_call():
@@ -228,7 +245,7 @@ def test_the_recorded_run_is_a_whole_table():
     from kernels.benchmarks import format_table
 
     assert "NVIDIA" in RECORDED["meta"]["device"]
-    assert set(RECORDED["ceilings"]) == {"copy_gbps", "matmul_tflops"}
+    assert {"copy_gbps", "matmul_tflops"} <= set(RECORDED["ceilings"])
     names = [r["name"] for r in RECORDED["rows"]]
     assert len(names) == len(set(names)), "a row name appears twice"
     assert all(ROW_KEYS <= set(r) <= ROW_KEYS | OPTIONAL_ROW_KEYS for r in RECORDED["rows"])

@@ -28,7 +28,7 @@ def test_bench_on_cpu_explains_and_shows_recorded_results(tmp_path):
     assert "No GPU here" in out.stdout and "Recorded results from NVIDIA" in out.stdout
     data = json.loads(target.read_text())  # the course ships its recorded run: written out too
     assert "NVIDIA" in data["meta"]["device"]
-    assert set(data["ceilings"]) == {"copy_gbps", "matmul_tflops"}
+    assert {"copy_gbps", "matmul_tflops"} <= set(data["ceilings"])
 
 
 def test_unknown_command_is_a_usage_error():

@@ -303,6 +303,41 @@ def test_solution_blocks_become_stubs_with_their_hints():
     compile(stub, "stub", "exec")
 
 
+def test_a_whole_kernel_body_becomes_pass_and_a_partial_one_raises():
+    """Triton's compiler rejects `raise` in a kernel: a stubbed kernel must still compile."""
+    source = textwrap.dedent(
+        """\
+        @triton.jit
+        def whole_kernel(x_ptr, BLOCK: tl.constexpr):
+            # one read, one write
+            ### BEGIN SOLUTION
+            ### HINT: load, add one, store
+            tl.store(x_ptr, tl.load(x_ptr) + 1)
+            ### END SOLUTION
+
+
+        @triton.jit
+        def partial_kernel(x_ptr):
+            x = tl.load(x_ptr)
+            ### BEGIN SOLUTION
+            x = x + 1
+            ### END SOLUTION
+            tl.store(x_ptr, x)
+
+
+        def launcher(x):
+            ### BEGIN SOLUTION
+            whole_kernel[(1,)](x, BLOCK=1)
+            ### END SOLUTION
+        """
+    )
+    stub = starters.strip_solutions(source)
+    assert "    pass  # TODO: load, add one, store" in stub
+    assert stub.count("raise NotImplementedError") == 2  # the partial kernel's and the launcher's
+    assert "tl.load(x_ptr) + 1" not in stub and "x = x + 1" not in stub
+    compile(stub, "stub", "exec")
+
+
 @pytest.mark.parametrize(
     "source", ["### BEGIN SOLUTION\nx = 1", "x = 1\n### END SOLUTION", "### BEGIN SOLUTION\n" * 2]
 )

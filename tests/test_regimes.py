@@ -142,3 +142,27 @@ def test_sweep_lines_are_the_flat_time_and_the_cost_per_repeat():
     repeats = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     flat, slope = regimes.sweep_lines(repeats, [max(0.5, r / 100) for r in repeats])
     assert flat == pytest.approx(0.5) and slope == pytest.approx(0.01)
+
+
+def test_fma_budget_is_fma_rate_over_element_rate():
+    # 65.8 TFLOP/s is 32.9 T FMA/s; 4240 GB/s moves 530 G fp32 elements/s (8 bytes each)
+    assert regimes.fma_budget(65.8, 4240.0, 8) == pytest.approx(32.9e12 / 530e9)
+    assert regimes.fma_budget(65.8, 4240.0, 4) == pytest.approx(
+        regimes.fma_budget(65.8, 4240.0, 8) / 2
+    )
+    with pytest.raises(ValueError, match="gbps must be positive"):
+        regimes.fma_budget(65.8, 0.0, 8)
+    with pytest.raises(TypeError, match="bytes_per_element must be an int"):
+        regimes.fma_budget(65.8, 4240.0, 4.0)
+
+
+def test_double_the_batch_threshold_is_where_the_fixed_cost_is_half():
+    # t(b) = c + w b: at c == w b the doubling costs exactly 1.5x, the threshold
+    c, wb = 10.0, 10.0
+    assert (c + 2 * wb) / (c + wb) == regimes.OVERHEAD_GROWTH
+    assert regimes.double_the_batch(1.0, 1.1) == "overhead-bound"  # He's "about 10%"
+    assert regimes.double_the_batch(1.0, 1.49) == "overhead-bound"
+    assert regimes.double_the_batch(1.0, 1.5) == "scales with the work"
+    assert regimes.double_the_batch(1.0, 2.0) == "scales with the work"
+    with pytest.raises(ValueError, match="positive"):
+        regimes.double_the_batch(0.0, 1.0)

@@ -2,8 +2,11 @@
 
 In every code cell, the lines from `### BEGIN SOLUTION` to `### END SOLUTION` become one
 line, `raise NotImplementedError("<hint>")`, indented like the marker; the hint is the text
-of a `### HINT: ...` line inside the block, or a default. Outputs, execution counts and the
-record of the solution's run are cleared.
+of a `### HINT: ...` line inside the block, or a default. A block that is the whole body of an
+`@triton.jit` function becomes `pass  # TODO: <hint>` instead: Triton's compiler rejects a
+`raise` in a kernel, so on a GPU the learner would see a compile error rather than the hint (its
+launcher, a stub of its own, raises the hint). Outputs, execution counts and the record of the
+solution's run are cleared.
 """
 
 import copy
@@ -15,20 +18,46 @@ BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 DEFAULT_HINT = "your code here (see the task above)"
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _whole_jit_body(lines: list, begin: int, end: int) -> bool:
+    """Whether lines[begin..end] (a solution block) are the whole body of an @triton.jit function:
+    only comments, a docstring or blank lines between its `def` and the block, nothing after it."""
+    i = begin - 1
+    while i >= 0 and (not lines[i].strip() or lines[i].strip().startswith(("#", '"""', "'"))):
+        i -= 1
+    head = i  # the `def` line, or the last line of its signature
+    while i >= 0 and not lines[i].lstrip().startswith("def "):
+        if _indent(lines[i]) >= _indent(lines[begin]):
+            return False  # code of the body above the block
+        i -= 1
+    if i < 0 or head < i or not (i > 0 and lines[i - 1].strip().startswith("@triton.jit")):
+        return False
+    after = next((line for line in lines[end + 1 :] if line.strip()), None)
+    return after is None or _indent(after) <= _indent(lines[i])
+
+
 def strip_solutions(source: str) -> str:
-    """The cell's source with each solution block replaced by a NotImplementedError stub."""
-    out, indent, hint = [], None, None
-    for number, line in enumerate(source.splitlines(), start=1):
+    """The cell's source with each solution block replaced by a NotImplementedError stub (a
+    `pass` where the block is a whole @triton.jit body)."""
+    lines = source.splitlines()
+    out, indent, hint, begin = [], None, None, None
+    for number, line in enumerate(lines, start=1):
         stripped = line.strip()
         if stripped.startswith(BEGIN):
             if indent is not None:
                 raise ValueError(f"line {number}: {BEGIN} inside another solution block")
-            indent, hint = line[: len(line) - len(line.lstrip())], None
+            indent, hint, begin = line[: len(line) - len(line.lstrip())], None, number - 1
         elif stripped.startswith(END):
             if indent is None:
                 raise ValueError(f"line {number}: {END} without {BEGIN}")
-            text = (hint or DEFAULT_HINT).replace("\\", "\\\\").replace('"', '\\"')
-            out.append(f'{indent}raise NotImplementedError("{text}")')
+            if _whole_jit_body(lines, begin, number - 1):
+                out.append(f"{indent}pass  # TODO: {hint or DEFAULT_HINT}")
+            else:
+                text = (hint or DEFAULT_HINT).replace("\\", "\\\\").replace('"', '\\"')
+                out.append(f'{indent}raise NotImplementedError("{text}")')
             indent = None
         elif indent is not None:
             if stripped.startswith(HINT) and hint is None:
