@@ -32,6 +32,7 @@ from kernels.attention_tuning import (
     profiler_metadata,
     with_32bit_head_offsets,
 )
+from kernels.launch import launch as launch_kernel
 from kernels.primitives import (
     LOG2E,
     causal_sees,
@@ -253,7 +254,7 @@ def attention_backward(do, q, k, v, o, lse, causal, sm_scale, precision, configs
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Sq, DELTA_BLOCK_M), H, B)
-    attention_bwd_delta_kernel[grid](o, do, delta, *do.stride(), H, Sq,
+    launch_kernel(attention_bwd_delta_kernel, grid, o, do, delta, *do.stride(), H, Sq,
                                      HEAD_DIM=D, BLOCK_D=block_d(D),
                                      BLOCK_M=DELTA_BLOCK_M)  # fmt: skip
     args = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), H, H // H_kv, Sq, Sk, sm_scale,

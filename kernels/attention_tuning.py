@@ -15,6 +15,7 @@ D = 128 costs in FLOPs and registers, but reads and writes only 80 columns.
 import torch
 import triton
 
+from kernels.launch import launch as launch_kernel
 from kernels.runtime import ON_GPU
 
 MAX_HEAD_DIM = 256  # one (BLOCK_N, D) tile of K and one of V per stage must fit shared memory
@@ -150,7 +151,8 @@ def launch(kernel, tuned, args, meta, *, rows, block, config, B, H):
         return
     bm, bn, warps, stages = config
     grid = (triton.cdiv(rows, bm if block == "BLOCK_M" else bn), H, B)
-    kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    launch_kernel(kernel, grid, *args, **meta, **tiles)
 
 
 def with_32bit_head_offsets(t):

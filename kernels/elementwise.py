@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
 from kernels.operators import operator, through_operator
 from kernels.primitives import gelu
 from kernels.validate import check_row_vector, check_same, check_tensor
@@ -32,7 +33,7 @@ def _add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        add_kernel[(triton.cdiv(n, BLOCK_SIZE),)](x, y, out, n, BLOCK_SIZE=BLOCK_SIZE)
+        launch(add_kernel, (triton.cdiv(n, BLOCK_SIZE),), x, y, out, n, BLOCK_SIZE=BLOCK_SIZE)
     return out
 
 
@@ -71,7 +72,7 @@ def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n:
         grid = (triton.cdiv(n, BLOCK_SIZE),)
-        bias_gelu_kernel[grid](x, bias, out, n, x.shape[-1], BLOCK_SIZE=BLOCK_SIZE)
+        launch(bias_gelu_kernel, grid, x, bias, out, n, x.shape[-1], BLOCK_SIZE=BLOCK_SIZE)
     return out
 
 

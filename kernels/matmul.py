@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kernels import matmul_tuning as tuning
 from kernels.elementwise import activation_grad
+from kernels.launch import launch
 from kernels.operators import operator, through_operator
 from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
 from kernels.runtime import INTERPRET
@@ -123,19 +124,19 @@ def _launch(a, b, bias, activation, how):
         kernel, autotuned = matmul_kernel, matmul_kernel_autotuned
     if INTERPRET:
         meta = tuning.INTERPRETER_CONFIG.kwargs
-        kernel[(tuning.tile_count(M, N, meta),)](*args, **flags, **meta)
+        launch(kernel, (tuning.tile_count(M, N, meta),), *args, **flags, **meta)
         return c
     key = _plan_key(a, b, flags, how.tma)
-    config = _chosen.get(key)
-    if config is None:  # first time: the autotuner times the configs and keeps the fastest
+    chosen = _chosen.get(key)
+    if chosen is None:  # first time: the autotuner times the configs and keeps the fastest
         autotuned[lambda meta: (tuning.tile_count(M, N, meta),)](*args, **flags)
-        _chosen[key] = autotuned.best_config
+        _chosen[key] = (autotuned.best_config, autotuned.best_config.all_kwargs())
         return c
-    meta = config.all_kwargs()
+    meta = chosen[1]
     if how.tma:
         descriptors = {"a_desc": args[0], "b_desc": args[1], "c_desc": args[2]}
         tuning.set_tma_blocks({**descriptors, **flags, **meta})
-    kernel[(tuning.tile_count(M, N, meta),)](*args, **flags, **meta)
+    launch(kernel, (tuning.tile_count(M, N, meta),), *args, **flags, **meta)
     return c
 
 
@@ -155,7 +156,8 @@ def _plan_key(a, b, flags, tma: bool) -> tuple:
     return (tma, *a.shape, b.shape[1], a.dtype, *flags.values())
 
 
-# The config the autotuner chose for each problem seen so far, by path, shape, dtype and flags.
+# The config the autotuner chose for each problem seen so far, by path, shape, dtype and flags
+# (with its launch keywords, built once).
 # Later calls launch the kernel with it directly: the autotuner's own Python cost about 12 us
 # per call on an H200's host (38 us against 26 us for a launch), when a 1024^3 bf16 matmul
 # runs for 11 us on the GPU (scripts/tune_matmul.py --paths).
@@ -170,7 +172,8 @@ def chosen_config(a, b, bias=None, activation=None):
     how = tuning.plan(a, b)
     if how.pad:
         return None, how.tma
-    return _chosen.get(_plan_key(a, b, _flags(how, bias, activation), how.tma)), how.tma
+    chosen = _chosen.get(_plan_key(a, b, _flags(how, bias, activation), how.tma))
+    return (chosen and chosen[0]), how.tma
 
 
 def _matmul_op_impl(

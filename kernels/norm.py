@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
@@ -104,13 +105,25 @@ def _forward(x, weight, bias, eps, residual=None):
         if bias is None:
             r2 = x2 if residual is None else as_rows(residual)  # x2 stands in, never read
             h2 = y2 if h is None else h.view(n_rows, n_cols)
-            rms_norm_fwd_kernel[(n_rows,)](
+            launch(rms_norm_fwd_kernel, (n_rows,),
                 x2, weight, y2, rstd, n_cols, x2.stride(0), n_cols, eps, r2, h2, r2.stride(0),
                 HAS_RESIDUAL=residual is not None, **common,
             )  # fmt: skip
         else:
-            layer_norm_fwd_kernel[(n_rows,)](
-                x2, weight, bias, y2, mean, rstd, n_cols, x2.stride(0), n_cols, eps, **common
+            launch(
+                layer_norm_fwd_kernel,
+                (n_rows,),
+                x2,
+                weight,
+                bias,
+                y2,
+                mean,
+                rstd,
+                n_cols,
+                x2.stride(0),
+                n_cols,
+                eps,
+                **common,
             )
     return y, x2, mean, rstd, h
 

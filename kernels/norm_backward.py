@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps, programs
 from kernels.operators import operator
 
@@ -95,7 +96,9 @@ def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
     dw_part = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
     db_part = torch.empty_like(dw_part) if layer_norm else dw_part  # unused by RMSNorm
     block = triton.next_power_of_2(n_cols)
-    norm_bwd_kernel[(n_programs,)](
+    launch(
+        norm_bwd_kernel,
+        (n_programs,),
         dy2,
         x2,
         weight,
@@ -116,7 +119,7 @@ def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
     )
     for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
         grid = (triton.cdiv(n_cols, 128),)
-        sum_partials_kernel[grid](part, out, n_programs, n_cols, BLOCK_P=32, BLOCK_N=128)
+        launch(sum_partials_kernel, grid, part, out, n_programs, n_cols, BLOCK_P=32, BLOCK_N=128)
     return dx, dw, db
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
 from kernels.operators import operator, through_operator
 from kernels.validate import check_tensor
 
@@ -91,10 +92,12 @@ def _launch(x: torch.Tensor, streamed: bool, block: int | None = None) -> torch.
     args = (x2, out2, n_cols, x2.stride(0), out2.stride(0))
     if streamed:
         block = block or min(STREAM_BLOCK, triton.next_power_of_2(n_cols))
-        softmax_streamed_kernel[(n_rows,)](*args, BLOCK=block, num_warps=_num_warps(block, 16))
+        launch(
+            softmax_streamed_kernel, (n_rows,), *args, BLOCK=block, num_warps=_num_warps(block, 16)
+        )
     else:
         block = triton.next_power_of_2(n_cols)
-        softmax_row_kernel[(n_rows,)](*args, BLOCK=block, num_warps=_num_warps(block, 32))
+        launch(softmax_row_kernel, (n_rows,), *args, BLOCK=block, num_warps=_num_warps(block, 32))
     return out
 
 

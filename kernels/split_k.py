@@ -31,6 +31,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 from kernels import split_k_tuning as tuning
 from kernels.batch_invariant.rows import add_combine
+from kernels.launch import launch
 from kernels.matmul import matmul_ref
 from kernels.operators import operator, through_operator
 from kernels.primitives import epilogue
@@ -163,7 +164,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None) -> torch.Tensor:
     bias = out if bias is None else bias
     tiles = triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
-    split_k_kernel[(tiles * plan.splits,)](
+    launch(split_k_kernel, (tiles * plan.splits,),
         a, b, out, parts, scale, bias, M, N, K, plan.k_per_split,
         *a.stride(), *b.stride(), *out.stride(),
         DIRECT=plan.splits == 1, EVEN_K=K % tile.BLOCK_K == 0,
@@ -173,7 +174,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None) -> torch.Tensor:
         block_m = min(16, triton.next_power_of_2(M))
         block_n = min(triton.next_power_of_2(N), max(64, 1024 // block_m))
         grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-        split_k_reduce_kernel[grid](
+        launch(split_k_reduce_kernel, grid,
             parts, out, scale, bias, M, N, plan.splits, parts.stride(0), *out.stride(),
             **flags, BLOCK_M=block_m, BLOCK_N=block_n,
         )  # fmt: skip

@@ -1,3 +1,4 @@
+import contextlib
 import types
 
 import pytest
@@ -169,6 +170,12 @@ def meta(*shape, dtype=torch.bfloat16, row=None):
     """A (rows, cols) meta tensor; `row`: the row stride, as a view into wider rows."""
     rows, cols = shape
     return torch.empty(rows, row or cols, dtype=dtype, device="meta")[:, :cols]
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    """plan() keeps its decisions: a test that changes what it reads starts from none."""
+    monkeypatch.setattr(tuning, "_plans", {})
 
 
 @pytest.fixture
@@ -505,3 +512,27 @@ def test_gpu_large_16_bit_problems_go_through_tma_on_hopper(b_is_w):
     config, tma = chosen_config(a, b, bias, "gelu")
     assert tma and config is not None
     check_matmul(a, b, bias, "gelu")  # launches with the chosen config directly
+
+
+def test_plan_decides_once_per_layout_and_precision(monkeypatch):
+    decided = []
+    decide = tuning._decide
+    monkeypatch.setattr(tuning, "_decide", lambda *args: decided.append(args) or decide(*args))
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    for _ in range(3):
+        plan(a, b)
+    assert len(decided) == 1
+    plan(a, b.t().contiguous().t())  # another layout of b
+    with _precision("high"):
+        assert plan(a, b).input_precision == "tf32"  # the fp32 setting is part of the key
+    assert len(decided) == 3 and plan(a, b).input_precision == "ieee"
+
+
+@contextlib.contextmanager
+def _precision(value):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
 from kernels.norm import rms_norm_ref as rms_norm_ref  # the course's reference: the same maths
 from kernels.operators import operator, through_operator
 from kernels.runtime import pick
@@ -173,7 +174,9 @@ def _as_rows(x):
 def _launch(kernel, n_rows, n_cols, *args, **constants):
     # Everything here depends on the row length only, never on the number of rows.
     block_c = _block_c(n_cols)
-    kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+    launch(
+        kernel,
+        (triton.cdiv(n_rows, BLOCK_R),),
         *args,
         BLOCK_R=BLOCK_R,
         BLOCK_C=block_c,

@@ -27,6 +27,7 @@ from kernels.attention import attention_ref as course_attention_ref
 from kernels.attention import check_attention_inputs
 from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
+from kernels.launch import launch
 from kernels.operators import operator, through_operator
 from kernels.primitives import LOG2E
 from kernels.runtime import INTERPRET, pick
@@ -217,7 +218,7 @@ def _attention(
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((n_rows * n_splits, block_d), dtype=torch.float32, device=q.device)
     grid = (B * H, triton.cdiv(Sq, cfg["BLOCK_M"]), n_splits)
-    attention_split_kernel[grid](
+    launch(attention_split_kernel, grid,
         q, k, v, lens if lens is not None else part_m, part_m, part_l, part_acc,
         H, group, Sq, Sk, D, n_splits, sm_scale * LOG2E.value,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -227,7 +228,7 @@ def _attention(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=split_stages(q.dtype, block_d),
     )  # fmt: skip
-    attention_combine_kernel[(triton.cdiv(n_rows, cfg["BLOCK_R"]),)](
+    launch(attention_combine_kernel, (triton.cdiv(n_rows, cfg["BLOCK_R"]),),
         part_m, part_l, part_acc, out, n_rows, n_splits, D,
         BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
