@@ -344,3 +344,16 @@ def test_rotating_graph_ms_says_it_needs_a_gpu():
 
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         rotating_graph_ms(torch.neg, [(torch.ones(3),)])
+
+
+@pytest.mark.gpu
+def test_the_launch_ladder_has_every_rung_and_the_cached_launch_is_lighter():
+    from kernels.benchmarks import overhead
+
+    result = overhead.add_ladder()
+    rungs = result["rungs"]
+    assert all(us > 0 for us in rungs.values()), rungs
+    assert {"torch eager", "CUDA graph replay", "torch.compile reduce-overhead"} <= set(rungs)
+    # the point of kernels.launch: the same kernel for less host time than kernel[grid]
+    assert rungs["cached compiled-kernel launch alone"] < rungs["Triton kernel[grid] alone"]
+    assert len(overhead.rows(result)) == len(rungs)
