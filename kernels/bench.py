@@ -169,7 +169,7 @@ def launches():
     record = lambda metadata: seen.append(dict(metadata.get()))
     hooks = knobs.runtime
     previous = hooks.launch_enter_hook
-    chained = hasattr(previous, "add")  # a chain of hooks in newer Triton, a single one in 3.6
+    chained = hasattr(previous, "add")  # a chain of hooks (Triton 3.6 on), else a single one
     if chained:
         previous.add(record)
     else:

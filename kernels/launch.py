@@ -20,19 +20,16 @@ hook being set (kernels.bench.launches() reads each launch's metadata) takes Tri
 
 import torch
 import triton
+from triton import knobs
 
 from kernels.runtime import INTERPRET
 
-try:  # triton >= 3.2 keeps its runtime settings in knobs
-    from triton import knobs as _knobs
 
-    def _hooked() -> bool:
-        return _knobs.runtime.launch_enter_hook is not None
-except ImportError:  # pragma: no cover - older triton
-    from triton.compiler import CompiledKernel as _CompiledKernel
-
-    def _hooked() -> bool:
-        return _CompiledKernel.launch_enter_hook is not None
+def _hooked() -> bool:
+    """Whether a launch hook is set: then Triton's own path, which calls it. Triton 3.6 and later
+    keep a chain of hooks that is never None: an empty chain is no hook."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 _PLAIN = (int, float, bool, str, type(None))
