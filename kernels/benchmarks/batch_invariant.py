@@ -17,8 +17,9 @@ ABOVE_ROOF = ((r"invariant matmul M=\d+", "TFLOP/s", CUBLAS_IS_NOT_A_ROOF),)
 
 def bench_batch_invariant(ceilings):
     """Matmul (M x 4096 @ 4096 x 4096) against cuBLAS, RMSNorm (rows of 4096) against the
-    course's rms_norm and PyTorch, decoding attention (one query, 32 heads of 128) against the
-    course's attention and SDPA; and serving the tiny LM with and without the mode."""
+    course's rms_norm and PyTorch, decoding attention (one query, 32 heads of 128) and one causal
+    prefill against the course's attention and SDPA; and serving the tiny LM with and without
+    the mode."""
     import torch.nn.functional as F
 
     from kernels import batch_invariant as bi
@@ -69,8 +70,28 @@ def bench_batch_invariant(ceilings):
         rows.append(  # decoding reads the keys and values: 2 * numel bf16 elements
             row(name, ms, bytes_moved=2 * k.numel() * 2, ceilings=ceilings, baselines=baselines)
         )
+    rows.append(_prefill_row(ceilings))
     rows.append(_serving_row())
     return rows
+
+
+def _prefill_row(ceilings):
+    """A causal prefill of one 4096-token prompt, 32 heads of 128: the invariant kernel keeps its
+    16-query tile for every Sq, where kernels.attention picks taller tiles for long prompts."""
+    import torch.nn.functional as F
+
+    from kernels import batch_invariant as bi
+    from kernels.attention import attention
+
+    q, k, v = (torch.randn(1, 32, 4096, 128, device=DEVICE, dtype=torch.bfloat16) for _ in "qkv")
+    baselines = {
+        "kernels.attention": bench.time_ms(attention, q, k, v, causal=True),
+        "SDPA": bench.time_ms(F.scaled_dot_product_attention, q, k, v, is_causal=True),
+    }
+    ms = bench.time_ms(bi.attention, q, k, v, causal=True)
+    flops = 2 * q.numel() * k.shape[2]  # 4 * B * H * S * S * D, half of it under the causal mask
+    name = "invariant attention prefill S=4096"  # bf16, B=1, H=32, D=128, causal
+    return row(name, ms, flops=flops, ceilings=ceilings, dtype="bf16", baselines=baselines)
 
 
 def _serving_row():
