@@ -83,3 +83,28 @@ def run_and_check(q, k, v, do, causal, dtype, sm_scale=None, baseline=False):
     assert torch.equal(q.detach(), q0) and torch.equal(k.detach(), k0)
     assert torch.equal(v.detach(), v0), "inputs must not be modified"
     return out
+
+
+def check_every_config(q, k, v, do, causal, scale):
+    """Each candidate config of the forward, dK/dV and dQ kernels (the autotuner may pick any)
+    launched in turn, the others at their first candidate, and checked against the reference."""
+    from kernels.attention import attention_forward
+    from kernels.attention_backward import attention_backward
+    from kernels.attention_tuning import dkdv_candidates, dq_candidates, forward_candidates
+
+    dtype, Sq, D = q.dtype, q.shape[2], q.shape[3]
+    expected = reference(q, k, v, do, causal)
+    theirs = sdpa_baseline(q, k, v, do, causal)
+    first_dkdv, first_dq = dkdv_candidates(dtype, D, Sq)[0], dq_candidates(dtype, D, Sq)[0]
+    runs = [(f"forward {c}", c, first_dkdv, first_dq) for c in forward_candidates(dtype, D, Sq)]
+    runs += [(f"dK/dV {c}", None, c, first_dq) for c in dkdv_candidates(dtype, D, Sq)]
+    runs += [(f"dQ {c}", None, first_dkdv, c) for c in dq_candidates(dtype, D, Sq)]
+    for label, fwd, dkdv, dq in runs:
+        with check.poisoned_allocations():
+            out, lse = attention_forward(q, k, v, causal, scale, config=fwd)
+            grads = attention_backward(do, q, k, v, out, lse, causal, scale, "tf32", (dkdv, dq))
+        for name, got, want, base in zip(
+            ("out", "dq", "dk", "dv"), (out, *grads), expected, theirs, strict=True
+        ):
+            result = check.compare(got, want, op="attention", dtype=dtype, baseline=base)
+            assert result.ok, f"{label}, {name}: {result.message}"

@@ -3,7 +3,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from attention_checks import make_inputs, reference, run_and_check, sdpa_baseline
+from attention_checks import (
+    check_every_config,
+    make_inputs,
+    reference,
+    run_and_check,
+)
 from params import CPU_DTYPES, DTYPES, attached_metadata
 
 from kernels import check
@@ -22,9 +27,6 @@ from kernels.attention_backward import (
     dq_metadata,
 )
 from kernels.attention_tuning import (
-    dkdv_candidates,
-    dq_candidates,
-    forward_candidates,
     visible_scores,
 )
 from kernels.runtime import DEVICE, ON_GPU
@@ -252,18 +254,4 @@ def test_every_gpu_config_matches_reference(Sq, D, causal):
     # The autotuner may pick any candidate; each one is checked here, at a benchmark-like shape.
     dtype, Sk, scale = torch.bfloat16, 1024, 1 / math.sqrt(D)
     q, k, v, do = make_inputs((1, 16, Sq, Sk, D), dtype, seed=D + Sq)
-    expected = reference(q, k, v, do, causal)
-    theirs = sdpa_baseline(q, k, v, do, causal)
-    first_dkdv, first_dq = dkdv_candidates(dtype, D, Sq)[0], dq_candidates(dtype, D, Sq)[0]
-    runs = [(f"forward {c}", c, first_dkdv, first_dq) for c in forward_candidates(dtype, D, Sq)]
-    runs += [(f"dK/dV {c}", None, c, first_dq) for c in dkdv_candidates(dtype, D, Sq)]
-    runs += [(f"dQ {c}", None, first_dkdv, c) for c in dq_candidates(dtype, D, Sq)]
-    for label, fwd, dkdv, dq in runs:
-        with check.poisoned_allocations():
-            out, lse = attention_forward(q, k, v, causal, scale, config=fwd)
-            grads = attention_backward(do, q, k, v, out, lse, causal, scale, "tf32", (dkdv, dq))
-        for name, got, want, base in zip(
-            ("out", "dq", "dk", "dv"), (out, *grads), expected, theirs, strict=True
-        ):
-            result = check.compare(got, want, op="attention", dtype=dtype, baseline=base)
-            assert result.ok, f"{label}, {name}: {result.message}"
+    check_every_config(q, k, v, do, causal, scale)

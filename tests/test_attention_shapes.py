@@ -4,12 +4,15 @@ reference on repeat_interleave'd k and v; the limits as clear errors before any 
 
 import pytest
 import torch
-from attention_checks import make_inputs, reference, run_and_check, sdpa_baseline
+from attention_checks import (
+    check_every_config,
+    make_inputs,
+    run_and_check,
+)
 from params import CPU_DTYPES
 
 from kernels import check
-from kernels.attention import attention, attention_forward
-from kernels.attention_backward import attention_backward
+from kernels.attention import attention
 from kernels.attention_tuning import (
     HEAD_DIM_CLASSES,
     MAX_HEAD_DIM,
@@ -161,21 +164,7 @@ def test_every_gpu_config_for_large_head_dims(Sq, D):
     # the unmeasured D > 128 lists (and D = 80 on the D = 128 ones): each compiles and is right
     dtype, Sk, causal, scale = torch.bfloat16, 1024, True, D**-0.5
     q, k, v, do = make_inputs((1, 8, Sq, Sk, D), dtype, seed=D + Sq, h_kv=2)
-    expected = reference(q, k, v, do, causal)
-    theirs = sdpa_baseline(q, k, v, do, causal)
-    first_dkdv, first_dq = dkdv_candidates(dtype, D, Sq)[0], dq_candidates(dtype, D, Sq)[0]
-    runs = [(f"forward {c}", c, first_dkdv, first_dq) for c in forward_candidates(dtype, D, Sq)]
-    runs += [(f"dK/dV {c}", None, c, first_dq) for c in dkdv_candidates(dtype, D, Sq)]
-    runs += [(f"dQ {c}", None, first_dkdv, c) for c in dq_candidates(dtype, D, Sq)]
-    for label, fwd, dkdv, dq in runs:
-        with check.poisoned_allocations():
-            out, lse = attention_forward(q, k, v, causal, scale, config=fwd)
-            grads = attention_backward(do, q, k, v, out, lse, causal, scale, "tf32", (dkdv, dq))
-        for name, got, want, base in zip(
-            ("out", "dq", "dk", "dv"), (out, *grads), expected, theirs, strict=True
-        ):
-            result = check.compare(got, want, op="attention", dtype=dtype, baseline=base)
-            assert result.ok, f"{label}, {name}: {result.message}"
+    check_every_config(q, k, v, do, causal, scale)
 
 
 @GPU
