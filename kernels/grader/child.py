@@ -189,6 +189,29 @@ def _time_case(fn, args, kwargs, against="copy") -> dict:
     return dataclasses.asdict(Timing(ms, baseline_ms, against))
 
 
+_OPERATORS = {}  # what each learner's make_<op>() returned: an operator registers once
+
+
+def _operator_case(make, args) -> dict:
+    """make() (the learner's, called once) must return a registered operator: torch.library.
+    opcheck on the case's inputs (schema, fake kernel, dispatch), then one call under
+    torch.compile(fullgraph=True), whose output the grader checks. A failure raises, with
+    opcheck's or Dynamo's own message."""
+    if id(make) not in _OPERATORS:
+        _OPERATORS[id(make)] = make()
+    fn = _OPERATORS[id(make)]
+    if not isinstance(fn, (torch._library.custom_ops.CustomOpDef, torch._ops.OpOverloadPacket,
+                           torch._ops.OpOverload)):  # fmt: skip
+        raise TypeError(
+            f"expected an operator registered with torch.library.custom_op, got a "
+            f"{type(fn).__name__}: decorate the function with @torch.library.custom_op"
+        )
+    torch.library.opcheck(fn, tuple(args))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: fn(*a), fullgraph=True, backend="aot_eager")
+    return compiled(*args)
+
+
 def run_case(fn, case, job, observer) -> dict:
     from kernels.check import poisoned_allocations
     from kernels.runtime import DEVICE, ON_GPU
@@ -199,8 +222,11 @@ def run_case(fn, case, job, observer) -> dict:
         return {"timing": _time_case(fn, args, kwargs, case.get("timed_against", "copy"))}
     observer.reset()
     poison = poisoned_allocations() if job.get("poison") else contextlib.nullcontext()
-    with poison, observer.recording():
-        out = fn(*args, **kwargs)
+    if case.get("action") == "operator":  # outside the op log: Dynamo traces under no mode
+        out = _operator_case(fn, args)
+    else:
+        with poison, observer.recording():
+            out = fn(*args, **kwargs)
     if ON_GPU:
         torch.cuda.synchronize()  # asynchronous errors (illegal addresses) belong to this case
     return {

@@ -6,9 +6,15 @@ Shapes: B batch, S new positions, T cache length, D d_model, H query heads, Hkv 
 heads, hd head_dim, F d_ff, V vocab.
 
 `forward(tokens)` is the full-sequence causal pass. `forward(tokens, cache, input_pos)` writes
-the new keys and values at positions input_pos[b] .. input_pos[b] + S - 1 of each row's cache
-and attends over the whole static cache with a mask: every step has the same shapes (what CUDA
-graphs need), and rows may sit at different positions (what a dynamic-batching server needs).
+the new keys and values at positions input_pos[b] .. input_pos[b] + S - 1 of each row's cache.
+With one int position for every row, keys are written and read as slices of the static cache
+(positions 0 .. input_pos + S - 1, no mask, nothing read back to the host: a step at a given
+position can be captured in a CUDA graph and replayed). With a position per row (a list or a
+tensor), attention reads the cache with a mask: rows may sit at different positions (what a
+dynamic-batching server needs).
+
+The residual adds are fused into the norms that follow them (ops.add_rms_norm): a block hands
+the next one its stream x and the delta it has not added yet.
 """
 
 import torch
@@ -51,6 +57,11 @@ def rotary(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def project(x, linear: nn.Linear, backend):
+    """x @ linear.weight.T; an int8 weight carries its per-channel scale (kernels.llm.quant)."""
+    return ops.linear(x, linear.weight, backend, getattr(linear, "scale", None))
+
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -65,37 +76,50 @@ class Block(nn.Module):
         self.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
         self.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
 
-    def forward(self, x, cos, sin, backend, cache=None):
-        """x (B, S, D) -> (B, S, D). `cache`: (k_cache, v_cache, rows, gather, pos, kv_lens,
-        length): this layer's (Bc, Hkv, T, hd) cache, the (B,) cache rows used (gathered when
-        `gather`, else rows 0..B-1 in order), the (B, S) new positions, each row's keys after
-        the write (B,), and how many cache positions attention reads."""
+    def forward(self, x, delta, cos, sin, backend, cache=None):
+        """(x, delta) (B, S, D) each -> the next (x, delta): the residual stream is x + delta,
+        whose add is left to the next norm so that one kernel adds and normalizes
+        (ops.add_rms_norm); delta None: x is the whole stream. `cache`: (k_cache, v_cache, rows,
+        gather, pos, kv_lens, length, start): this layer's (Bc, Hkv, T, hd) cache, the (B,)
+        cache rows used (gathered when `gather`, else rows 0..B-1 in order), the (B, S) new
+        positions, each row's keys after the write (B,), how many cache positions attention
+        reads, and `start`, an int when every row starts at the same position (known on the
+        host: the keys are written and read as slices, with no mask and nothing read back)."""
         c = self.c
         B, S, _ = x.shape
-        h = self.attn_norm(x, backend)  # (B, S, D)
-        q = ops.linear(h, self.wq.weight, backend).view(B, S, c.n_heads, c.head_dim)
-        k = ops.linear(h, self.wk.weight, backend).view(B, S, c.n_kv_heads, c.head_dim)
-        v = ops.linear(h, self.wv.weight, backend).view(B, S, c.n_kv_heads, c.head_dim)
+        if delta is None:
+            h = self.attn_norm(x, backend)  # (B, S, D)
+        else:
+            h, x = ops.add_rms_norm(delta, x, self.attn_norm.weight, c.norm_eps, backend)
+        q = project(h, self.wq, backend).view(B, S, c.n_heads, c.head_dim)
+        k = project(h, self.wk, backend).view(B, S, c.n_kv_heads, c.head_dim)
+        v = project(h, self.wv, backend).view(B, S, c.n_kv_heads, c.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, S, hd)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         if cache is None:  # full sequence: causal over the S positions given
             y = ops.attention(q, k, v, None, backend)
         else:  # write the new keys first, then attend over the cache: (B, H, S, hd)
-            k_cache, v_cache, rows, gather, pos, kv_lens, length = cache
-            # advanced indices around a slice put their dims first: (B, S, Hkv, hd)
-            k_cache[rows[:, None], :, pos] = k.transpose(1, 2)
-            v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
-            if gather:  # a server's running rows: a copy, (B, Hkv, length, hd)
-                keys, values = k_cache[rows, :, :length], v_cache[rows, :, :length]
-            else:  # every row in order: a view, no copy
-                keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
-            y = ops.attention(q, keys, values, kv_lens, backend)
+            k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
+            if start is not None:  # rows 0..B-1 at one position: slices, no index tensors
+                k_cache[:, :, start : start + S] = k
+                v_cache[:, :, start : start + S] = v
+                keys, values = k_cache[:, :, : start + S], v_cache[:, :, : start + S]
+                y = ops.attention(q, keys, values, None, backend)  # causal, aligned to the end
+            else:
+                # advanced indices around a slice put their dims first: (B, S, Hkv, hd)
+                k_cache[rows[:, None], :, pos] = k.transpose(1, 2)
+                v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
+                if gather:  # a server's running rows: a copy, (B, Hkv, length, hd)
+                    keys, values = k_cache[rows, :, :length], v_cache[rows, :, :length]
+                else:  # every row in order: a view, no copy
+                    keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
+                y = ops.attention(q, keys, values, kv_lens, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
-        x = x + ops.linear(y, self.wo.weight, backend)
-        h = self.mlp_norm(x, backend)
-        gate = ops.linear(h, self.w_gate.weight, backend)  # (B, S, F)
-        up = ops.linear(h, self.w_up.weight, backend)
-        return x + ops.linear(F.silu(gate) * up, self.w_down.weight, backend)  # SwiGLU
+        h, x = ops.add_rms_norm(project(y, self.wo, backend), x, self.mlp_norm.weight,
+                                c.norm_eps, backend)  # fmt: skip
+        gate = project(h, self.w_gate, backend)  # (B, S, F)
+        up = project(h, self.w_up, backend)
+        return x, project(F.silu(gate) * up, self.w_down, backend)  # SwiGLU
 
 
 class Transformer(nn.Module):
@@ -151,14 +175,24 @@ class Transformer(nn.Module):
         dtype = self.embed.weight.dtype
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-        x = self.embed(tokens)  # (B, S, D)
+        x, delta = self.embed(tokens), None  # (B, S, D): the residual stream is x + delta
+        shared_start = None
+        if (
+            cache is not None
+            and slots is None
+            and (input_pos is None or isinstance(input_pos, int))
+        ):
+            shared_start = input_pos or 0
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x = layer(x, cos, sin, self.backend)
+                x, delta = layer(x, delta, cos, sin, self.backend)
             else:
                 layer_cache = (cache.k[i], cache.v[i], rows, slots is not None, pos, kv_lens)
-                x = layer(x, cos, sin, self.backend, (*layer_cache, length))
-        x = self.norm(x, self.backend)
+                x, delta = layer(x, delta, cos, sin, self.backend,
+                                 (*layer_cache, length, shared_start))  # fmt: skip
+        x, _ = ops.add_rms_norm(delta, x, self.norm.weight, self.config.norm_eps, self.backend)
+        if hasattr(self, "head_int8"):  # kernels.llm.quant: the head's own int8 copy
+            return ops.linear(x, self.head_int8, self.backend, self.head_scale)
         head = self.embed.weight if self.config.tied_embeddings else self.head.weight
         return ops.linear(x, head, self.backend)  # (B, S, V)
 

@@ -1,7 +1,8 @@
-"""The model's three reductions behind one switch: torch's ops or the course's.
+"""The model's reductions behind one switch: torch's ops or the course's.
 
     backend "torch":    F.linear, an RMSNorm written with `mean`, scaled_dot_product_attention
-    backend "kernels":  kernels.matmul, kernels.norm.rms_norm, kernels.attention
+    backend "kernels":  kernels.gemv / kernels.matmul, kernels.norm.rms_norm and add_rms_norm,
+                        kernels.attention; an int8 weight (kernels.llm.quant) goes to kernels.int8
 
 Inside `batch_invariant_mode()` both run batch-invariant: "kernels" calls the
 kernels.batch_invariant ops itself; "torch" gets them from the mode, which routes aten::mm,
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import attention as course_attention
-from kernels import batch_invariant, gemv
+from kernels import batch_invariant, gemv, int8
 from kernels import matmul as course_matmul
 from kernels import norm as course_norm
 
@@ -29,9 +30,15 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def linear(x, weight, backend):
+def linear(x, weight, backend, scale=None):
     """x (..., K) @ weight (N, K).T -> (..., N): one matmul of M = x.numel() / K rows; a decode
-    step's few rows go to the GEMV (kernels.gemv), which reads each weight row once."""
+    step's few rows go to the GEMV (kernels.gemv), which reads each weight row once. With
+    `scale` (N,) fp32, weight is int8 (kernels.int8.quantize): x @ (weight * scale[:, None]).T."""
+    if scale is not None:
+        if backend == "torch":  # torch's way (gpt-fast's): upcast the int8 weight, scale after
+            return F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        return int8.linear(x2, weight, scale).view(*x.shape[:-1], weight.shape[0])
     if backend == "torch":
         return F.linear(x, weight)
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
@@ -52,6 +59,15 @@ def rms_norm(x, weight, eps, backend):
         return weight * x32.to(x.dtype)
     norm = batch_invariant.rms_norm if batch_invariant.enabled() else course_norm.rms_norm
     return norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps, backend):
+    """(y, h): h = x + residual, y = rms_norm(h): one fused kernel on the course's backend
+    (kernels.norm.add_rms_norm: reads x and residual once), two steps on torch's."""
+    if backend == "torch" or batch_invariant.enabled():
+        h = x + residual
+        return rms_norm(h, weight, eps, backend), h
+    return course_norm.add_rms_norm(x, residual, weight, eps)
 
 
 def attention(q, k, v, kv_lens, backend):
@@ -75,7 +91,9 @@ def sdpa_attention(q, k, v, causal=False, kv_lens=None):
     """torch's scaled_dot_product_attention behind the batch-invariant attention's interface:
     `kv_lens` and the causal alignment to it become a boolean mask; grouped heads allowed."""
     gqa = k.shape[1] != q.shape[1]
-    if kv_lens is None and (not causal or q.shape[2] == k.shape[2]):
+    if kv_lens is None and (not causal or q.shape[2] == k.shape[2] or q.shape[2] == 1):
+        # one query aligned to the end sees every key: no mask (nothing built on the host)
+        causal = causal and q.shape[2] > 1
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     if kv_lens is None:
