@@ -259,7 +259,8 @@ def measure_or_recorded(chapter: str, key: str, measure):
     if ON_GPU:
         value = measure()
         record(chapter, key, value)
-        print(f"[{key}] measured now on {describe({**versions(), 'date': 'today'})}")
+        today = datetime.date.today().isoformat()  # a date, not "today": the book is static
+        print(f"[{key}] measured now on {describe({**versions(), 'date': today})}")
         return value
     value, meta = recorded(chapter, key)
     print(f"[{key}] no GPU here: showing the results recorded on {describe(meta)}")

@@ -26,6 +26,8 @@ from sphinx.directives.other import TocTree
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.matching import patfilter
 
+from kernels.grader.cli import grading_command
+
 GATHERED = ("chapters", "labs", "kernels")
 PAGES = ("chapters", "labs")  # the folders whose notebooks are pages
 SKIPPED = ("__pycache__", ".*")  # .ipynb_checkpoints and other hidden files
@@ -144,9 +146,9 @@ def _lab_note(app, doctree) -> None:
         nodes.literal(text=path),
         nodes.Text(" in JupyterLab ("),
         nodes.literal(text="make lab"),
-        nodes.Text("), write the graded functions, then run "),
-        nodes.literal(text=f"python -m kernels grade {path}"),
-        nodes.Text(". See "),
+        nodes.Text("), write the graded functions, save, then run "),
+        nodes.literal(text=grading_command(path)),
+        nodes.Text(" in a terminal in the course's folder. See "),
         grading,
         nodes.Text("."),
     ]
