@@ -10,8 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kernels.grader.cli import grading_command
 from kernels.grader import starters, static_checks, submission
+from kernels.grader.cli import grading_command
 from kernels.grader.labs import LABS
 from kernels.notebook import check_recorded
 from kernels.runtime import ON_GPU

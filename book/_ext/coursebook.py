@@ -5,7 +5,8 @@
   modification times so that an unchanged notebook need not be read again. The notebooks of
   chapters/ and labs/ become pages (conf.py's `include_patterns`); kernels/ is there so that
   a notebook's link to the course's code (`../kernels/softmax.py`) becomes a download in the
-  book. `solutions/` is never gathered.
+  book. `solutions/` is never gathered. The copied notebooks lose their nbval markers and
+  state their recorded run's date where they said "today" (`static_page`).
 - Each lab's page opens with a note on how to do the lab and grade it.
 - The directive `notebook-toctree` is a globbing toctree that, while its folder holds no
   notebook yet, says so instead of warning (and is read again at the next build).
@@ -17,9 +18,11 @@
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
+import static_page
 from docutils import nodes
 from sphinx import addnodes
 from sphinx.directives.other import TocTree
@@ -39,7 +42,8 @@ def repository_root(srcdir) -> Path:
 
 
 def gather(root: Path, srcdir: Path) -> None:
-    """Replace srcdir/chapters, srcdir/labs and srcdir/kernels with copies of the originals."""
+    """Replace srcdir/chapters, srcdir/labs and srcdir/kernels with copies of the originals,
+    the notebooks made ready for a static page (`static_page`)."""
     for name in GATHERED:
         target = srcdir / name
         shutil.rmtree(target, ignore_errors=True)
@@ -47,6 +51,18 @@ def gather(root: Path, srcdir: Path) -> None:
             shutil.copytree(root / name, target, ignore=shutil.ignore_patterns(*SKIPPED))
         else:
             target.mkdir()
+    for name in PAGES:
+        for path in (srcdir / name).glob("*.ipynb"):
+            _rewrite_for_the_page(path)
+
+
+def _rewrite_for_the_page(path: Path) -> None:
+    """The copy at `path` as the book shows it, keeping the original's modification time."""
+    times = path.stat()
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    text = json.dumps(static_page.for_static_page(nb), indent=1, ensure_ascii=False) + "\n"
+    path.write_text(text, encoding="utf-8")
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
 
 
 def _cell(value) -> str:
