@@ -12,12 +12,20 @@ import datetime
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kernels.roofline import RooflinePoint, plot_roofline, predicted_ms, ridge_point
+from kernels.roofline import (
+    BUSY,
+    RooflinePoint,
+    implausible_cpu_ceilings,
+    plot_roofline,
+    predicted_ms,
+    ridge_point,
+)
 from kernels.runtime import DEVICE, ON_GPU, versions
 
 __all__ = [
@@ -135,6 +143,10 @@ def _synchronize():
         torch.cuda.synchronize()
 
 
+# A median this many times the fastest run means most runs waited for something else.
+CPU_SPREAD = 4.0
+
+
 def _cpu_median_ms(call, budget_s: float = 0.2, max_runs: int = 1000) -> float:
     call()  # warm-up: first-call costs (allocation, dispatch caches) stay out
     samples, start = [], time.perf_counter()
@@ -142,7 +154,22 @@ def _cpu_median_ms(call, budget_s: float = 0.2, max_runs: int = 1000) -> float:
         t0 = time.perf_counter()
         call()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    median = statistics.median(samples)
+    if unsteady_timing(samples):
+        _warn(
+            f"a CPU timing ran from {min(samples):.3g} to {max(samples):.3g} ms (median "
+            f"{median:.3g} ms, over {CPU_SPREAD:g}x the fastest): {BUSY}; re-run when it is idle"
+        )
+    return median
+
+
+def unsteady_timing(samples_ms) -> bool:
+    """True when the median of repeated runs is over CPU_SPREAD times the fastest one."""
+    return statistics.median(samples_ms) > CPU_SPREAD * min(samples_ms)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def achieved_gbps(bytes_moved: float, ms: float) -> float:
@@ -188,7 +215,11 @@ def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None)
             tflops[name] = achieved_tflops(2 * n**3, time_ms(torch.matmul, a, b))
     finally:
         torch.set_float32_matmul_precision(previous)
-    return {"copy_gbps": achieved_gbps(2 * numel * 4, copy_ms), "matmul_tflops": tflops}
+    ceilings = {"copy_gbps": achieved_gbps(2 * numel * 4, copy_ms), "matmul_tflops": tflops}
+    if not ON_GPU:
+        for problem in implausible_cpu_ceilings(ceilings):
+            _warn(problem)
+    return ceilings
 
 
 # Recorded results: one JSON file per chapter under kernels/data/<gpu>/, written on a GPU,
