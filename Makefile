@@ -12,8 +12,12 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 GPU_PY ?= python3
 OUT ?= gpu-record
 NOTEBOOKS ?= $(wildcard chapters/*.ipynb solutions/*.ipynb)
+COMMA := ,
+SPACE := $(subst ,, )
+# The course's commands import this checkout's `kernels`, whatever .venv's install points to.
+THIS_COURSE := PYTHONPATH="$(CURDIR)"$${PYTHONPATH:+:$$PYTHONPATH}
 
-.PHONY: setup test lint lab book labs record gpu-record clean
+.PHONY: setup test lint lab grade progress book labs record gpu-record clean
 
 setup: $(STAMP)
 
@@ -36,8 +40,31 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider tests chapters solutions
 
+# JupyterLab on the repository root, so that chapters/ and labs/ are both in its file browser.
+# The listing hides the solutions, the book (its sources and, once built, its copies of
+# chapters/ and labs/), build folders and caches; hidden files (.venv, .git) are hidden anyway.
+# A path still opens when typed (a notebook's link to ../kernels/softmax.py keeps working).
+# Extra options go through LAB_ARGS, e.g. make lab LAB_ARGS="--no-browser --port 8899".
+LAB_HIDE := solutions book build dist gpu-record test-artifacts *.egg-info __pycache__ \
+	*.pyc *.pyo *~ .DS_Store .ipynb_checkpoints .venv .pytest_cache .ruff_cache
+LAB_ARGS ?=
 lab: setup
-	$(VENV)/bin/jupyter lab chapters labs
+	$(THIS_COURSE) $(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+	  '--ContentsManager.hide_globs=[$(subst $(SPACE),$(COMMA),$(patsubst %,"%",$(LAB_HIDE)))]' \
+	  $(LAB_ARGS)
+
+# Grade labs, from a terminal in the course's folder (JupyterLab's File > New > Terminal opens
+# there), with no environment to activate: make grade LAB=labs/lab01_regimes.ipynb, or
+# make grade for every lab. The same as .venv/bin/python -m kernels grade PATH...; extra
+# options go through GRADE_ARGS, e.g. GRADE_ARGS="--seed 3".
+LAB ?= $(wildcard labs/lab*.ipynb)
+GRADE_ARGS ?=
+grade: setup
+	$(THIS_COURSE) $(PY) -m kernels grade $(LAB) $(GRADE_ARGS)
+
+# Every lab at a glance: score and what remains.
+progress: setup
+	$(THIS_COURSE) $(PY) -m kernels progress
 
 # The HTML book from the stored outputs (never executes a notebook): book/_build/html/index.html
 book: setup

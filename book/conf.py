@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "_ext"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the course's `kernels`
 
 project = "Going Brrr From First Principles"
 author = "the course's authors"

@@ -97,7 +97,13 @@ def generate_command(args) -> int:
 def main(argv=None) -> int:
     from kernels.grader import cli as grader
 
-    parser = argparse.ArgumentParser(prog="python -m kernels", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels",
+        description=__doc__,
+        epilog="Learners grade from the course's folder with `make grade LAB=labs/<lab>.ipynb` "
+        "and `make progress`: the same grade and progress commands, with no environment to "
+        "activate.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="mode, device, versions, and a one-line verdict")
     p = sub.add_parser("bench", help="ceilings and kernels against baselines (GPU)")

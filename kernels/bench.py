@@ -12,15 +12,18 @@ import datetime
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from kernels.roofline import (
+    BUSY,
     RooflinePoint,
     best_roofs,
     datasheet_ceilings,
+    implausible_cpu_ceilings,
     plot_roofline,
     predicted_ms,
     ridge_point,
@@ -189,6 +192,10 @@ def _synchronize():
         torch.cuda.synchronize()
 
 
+# A median this many times the fastest run means most runs waited for something else.
+CPU_SPREAD = 4.0
+
+
 def _cpu_median_ms(call, budget_s: float = 0.2, max_runs: int = 1000) -> float:
     call()  # warm-up: first-call costs (allocation, dispatch caches) stay out
     samples, start = [], time.perf_counter()
@@ -196,7 +203,22 @@ def _cpu_median_ms(call, budget_s: float = 0.2, max_runs: int = 1000) -> float:
         t0 = time.perf_counter()
         call()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    median = statistics.median(samples)
+    if unsteady_timing(samples):
+        _warn(
+            f"a CPU timing ran from {min(samples):.3g} to {max(samples):.3g} ms (median "
+            f"{median:.3g} ms, over {CPU_SPREAD:g}x the fastest): {BUSY}; re-run when it is idle"
+        )
+    return median
+
+
+def unsteady_timing(samples_ms) -> bool:
+    """True when the median of repeated runs is over CPU_SPREAD times the fastest one."""
+    return statistics.median(samples_ms) > CPU_SPREAD * min(samples_ms)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def achieved_gbps(bytes_moved: float, ms: float) -> float:
@@ -248,12 +270,16 @@ def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None)
             tflops[name] = achieved_tflops(2 * n**3, time_ms(torch.matmul, a, b))
     finally:
         torch.set_float32_matmul_precision(previous)
-    return {
+    ceilings = {
         "copy_gbps": achieved_gbps(2 * numel * 4, copy_ms),
         "matmul_tflops": tflops,
         "add_gbps": _add_gbps(numel // 2),
         "fma_tflops": {"fp32": _fma_plateau_tflops(numel)} if ON_GPU else {},
     }
+    if not ON_GPU:
+        for problem in implausible_cpu_ceilings(ceilings):
+            _warn(problem)
+    return ceilings
 
 
 FMA_PROBE_REPEAT = 2048  # FMAs per element: compute takes about 30x the memory time, a plateau
@@ -341,7 +367,8 @@ def measure_or_recorded(chapter: str, key: str, measure):
     if ON_GPU:
         value = measure()
         record(chapter, key, value)
-        print(f"[{key}] measured now on {describe({**versions(), 'date': 'today'})}")
+        today = datetime.date.today().isoformat()  # a date, not "today": the book is static
+        print(f"[{key}] measured now on {describe({**versions(), 'date': today})}")
         return value
     value, meta = recorded(chapter, key)
     print(f"[{key}] no GPU here: showing the results recorded on {describe(meta)}")

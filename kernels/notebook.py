@@ -48,10 +48,19 @@ def _recorded_meta(chapter: str) -> dict:
 def banner(chapter: str | None = None) -> None:
     """Print where this notebook runs and, for a chapter, where its GPU figures come from:
     measured now on this GPU, or read from the results recorded on the course's GPU. A
-    chapter's figures also get the course's style (a lab draws none)."""
+    chapter's figures also get the course's style (a lab draws none).
+
+    In CPU mode it pins torch to one thread: on a busy machine (2 cores shared with other
+    work), OpenMP threads waiting for each other turn a live CPU timing into nonsense (a copy at
+    a few GB/s one moment and 1000x slower the next) that would pass for overhead."""
     info = versions()
     mode = "compiles for the GPU" if ON_GPU else "runs in its interpreter (correct, not fast)"
     where = f"device: {info['device']}; Triton {mode}"
+    if not ON_GPU:
+        import torch
+
+        torch.set_num_threads(1)
+        where += "; torch on 1 CPU thread (live CPU timings stay steady on a busy machine)"
     print(f"{where}; torch {info['torch']}, triton {info['triton']}")
     if chapter is None:
         return
@@ -60,7 +69,8 @@ def banner(chapter: str | None = None) -> None:
     figure_style()
     if ON_GPU:
         data = f"kernels/data/{bench.gpu_slug(info['device'])}/{chapter}.json"
-        print(f"GPU figures: measured now on this GPU (and recorded into {data})")
+        today = datetime.date.today().isoformat()
+        print(f"GPU figures: measured now on this GPU, {today} (and recorded into {data})")
     else:
         data = f"kernels/data/{bench.RECORDED_GPU}/{chapter}.json"
         run = bench.describe(_recorded_meta(chapter))

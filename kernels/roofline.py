@@ -7,8 +7,13 @@ peak_flops / bandwidth, is the intensity above which compute, not memory, sets t
 A roof is the rate of the best program that measures it (`best_roofs`): a roof that one of the
 course's own kernels beats is no roof. The datasheet's peaks (`datasheet_ceilings`) are drawn
 beside the measured ones, never instead of them.
+
+A live number that breaks the model says so: ceilings a CPU cannot be that slow at, and a
+point above its roofline, are printed as warnings naming why (`implausible_cpu_ceilings`,
+`above_roof`).
 """
 
+import sys
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -83,6 +88,51 @@ def predicted_ms(flops: float, bytes_moved: float, ceilings: dict, dtype: str = 
     return memory_ms, "memory-bound"
 
 
+# Below these, a live CPU ceiling is not the machine's but a busy machine's: one core of any
+# CPU of the last twenty years copies several GB/s and multiplies fp32 at over 1 GFLOP/s.
+CPU_FLOORS = {"copy_gbps": 1.0, "fp32_tflops": 1e-3}
+BUSY = "the machine is busy (other processes, or threads waiting for each other)"
+
+
+def implausible_cpu_ceilings(ceilings: dict) -> list[str]:
+    """Why ceilings measured live on a CPU cannot be its own, one line each ([] if plausible)."""
+    problems = []
+    copy, fp32 = ceilings["copy_gbps"], ceilings["matmul_tflops"].get("fp32")
+    if copy < CPU_FLOORS["copy_gbps"]:
+        problems.append(
+            f"this CPU's copy ran at {copy:.2g} GB/s, below {CPU_FLOORS['copy_gbps']:g} GB/s, "
+            f"which one core of any recent CPU beats: {BUSY}"
+        )
+    if fp32 is not None and fp32 < CPU_FLOORS["fp32_tflops"]:
+        problems.append(
+            f"this CPU's fp32 matmul ran at {fp32 * 1e3:.2g} GFLOP/s, below "
+            f"{CPU_FLOORS['fp32_tflops'] * 1e3:g} GFLOP/s, which one core of any recent CPU "
+            f"beats: {BUSY}"
+        )
+    return problems
+
+
+def above_roof(point: RooflinePoint, ceilings: dict, dtypes=("fp32",), slack: float = 1.05):
+    """Why `point` cannot be right against these ceilings, or None: faster than the roofline
+    allows (by more than `slack`) under every dtype's roof in `dtypes` that the ceilings have."""
+    drawn = [d for d in dtypes if d in ceilings["matmul_tflops"]]
+    if not drawn:
+        return None
+    best_ms, regime = min(predicted_ms(point.flops, point.bytes_moved, ceilings, d) for d in drawn)
+    if point.ms * slack >= best_ms:
+        return None
+    return (
+        f"{point.name}: {point.tflops:.3g} TFLOP/s at {point.intensity:.3g} FLOP/B is "
+        f"{best_ms / point.ms:.2f}x above its roofline ({regime} there). Either the ceilings "
+        f"were measured low ({BUSY}, or a better program than the one that measured them "
+        "exists) or the point's FLOP or byte count is wrong"
+    )
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def plot_roofline(machines: dict, points=(), dtypes=("fp32",), ax=None, title=None):
     """Draw each machine's roofline (bandwidth slope, then one flat roof per dtype) on
     log-log axes, and the measured `points`, given as {machine label: [RooflinePoint]} or a
@@ -113,6 +163,9 @@ def plot_roofline(machines: dict, points=(), dtypes=("fp32",), ax=None, title=No
                 label=f"{label} {dtype} (ridge {ridge_point(ceilings, dtype):.0f} FLOP/B)",
             )
         for p in points.get(label, ()):
+            problem = above_roof(p, ceilings, dtypes)
+            if problem:
+                _warn(f"{label}: {problem}")
             ax.plot(p.intensity, p.tflops, "o", color=color)
             ax.annotate(
                 p.name,

@@ -155,6 +155,20 @@ def test_every_internal_link_resolves(book):
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+def test_pages_show_no_test_markers_and_date_their_runs(book):
+    """nbval's markers are for the test suite, and "measured now ... today" is false on a static
+    page: each becomes the recorded run's date (book/_ext/static_page.py)."""
+    for page in book.pages():
+        text = page.read_text(encoding="utf-8")
+        assert "NBVAL_" not in text, f"{page.name} shows an nbval marker"
+        now = re.search(r"measured now on (this GPU|[^<\n]*triton [\d.]+, )", text)
+        assert not now, f"{page.name}: {now.group(0)}"
+    chapter = (book.html / "chapters" / "01_three_regimes.html").read_text(encoding="utf-8")
+    assert re.search(
+        r"measured on NVIDIA H200, torch [^,]+, triton [\d.]+, \d{4}-\d\d-\d\d", chapter
+    )
+
+
 @pytest.fixture(scope="session")
 def served(book):
     """The built book over HTTP on 127.0.0.1; yields its base URL."""

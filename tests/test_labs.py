@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from kernels.grader import starters, static_checks, submission
+from kernels.grader.cli import grading_command
 from kernels.grader.labs import LABS
 from kernels.notebook import check_recorded
 from kernels.runtime import ON_GPU
@@ -83,7 +84,7 @@ def test_solutions_keep_their_recorded_outputs(solution):
 def test_a_lab_states_each_task_and_its_points(solution):
     nb = nbformat.read(solution, as_version=4)
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    assert "python -m kernels grade labs/" + solution.name in text
+    assert grading_command("labs/" + solution.name) in text  # the one command, as printed
     for task in LABS[solution.stem]:
         row = re.search(rf"^\| \d+ `{task.name}` \|.*$", text, re.MULTILINE)
         assert row, f"no row for task {task.name} in the lab's table"

@@ -5,7 +5,8 @@
   modification times so that an unchanged notebook need not be read again. The notebooks of
   chapters/ and labs/ become pages (conf.py's `include_patterns`); kernels/ is there so that
   a notebook's link to the course's code (`../kernels/softmax.py`) becomes a download in the
-  book. `solutions/` is never gathered.
+  book. `solutions/` is never gathered. The copied notebooks lose their nbval markers and
+  state their recorded run's date where they said "today" (`static_page`).
 - Each lab's page opens with a note on how to do the lab and grade it.
 - The directive `notebook-toctree` is a globbing toctree that, while its folder holds no
   notebook yet, says so instead of warning (and is read again at the next build).
@@ -17,14 +18,18 @@
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
+import static_page
 from docutils import nodes
 from sphinx import addnodes
 from sphinx.directives.other import TocTree
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.matching import patfilter
+
+from kernels.grader.cli import grading_command
 
 GATHERED = ("chapters", "labs", "kernels")
 PAGES = ("chapters", "labs")  # the folders whose notebooks are pages
@@ -37,7 +42,8 @@ def repository_root(srcdir) -> Path:
 
 
 def gather(root: Path, srcdir: Path) -> None:
-    """Replace srcdir/chapters, srcdir/labs and srcdir/kernels with copies of the originals."""
+    """Replace srcdir/chapters, srcdir/labs and srcdir/kernels with copies of the originals,
+    the notebooks made ready for a static page (`static_page`)."""
     for name in GATHERED:
         target = srcdir / name
         shutil.rmtree(target, ignore_errors=True)
@@ -45,6 +51,18 @@ def gather(root: Path, srcdir: Path) -> None:
             shutil.copytree(root / name, target, ignore=shutil.ignore_patterns(*SKIPPED))
         else:
             target.mkdir()
+    for name in PAGES:
+        for path in (srcdir / name).glob("*.ipynb"):
+            _rewrite_for_the_page(path)
+
+
+def _rewrite_for_the_page(path: Path) -> None:
+    """The copy at `path` as the book shows it, keeping the original's modification time."""
+    times = path.stat()
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    text = json.dumps(static_page.for_static_page(nb), indent=1, ensure_ascii=False) + "\n"
+    path.write_text(text, encoding="utf-8")
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
 
 
 def _cell(value) -> str:
@@ -144,9 +162,9 @@ def _lab_note(app, doctree) -> None:
         nodes.literal(text=path),
         nodes.Text(" in JupyterLab ("),
         nodes.literal(text="make lab"),
-        nodes.Text("), write the graded functions, then run "),
-        nodes.literal(text=f"python -m kernels grade {path}"),
-        nodes.Text(". See "),
+        nodes.Text("), write the graded functions, save, then run "),
+        nodes.literal(text=grading_command(path)),
+        nodes.Text(" in a terminal in the course's folder. See "),
         grading,
         nodes.Text("."),
     ]

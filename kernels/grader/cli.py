@@ -1,8 +1,20 @@
-"""The grader's commands: `grade`, `progress`, and `labs` (regenerate the starters)."""
+"""The grader's commands: `grade`, `progress`, and `labs` (regenerate the starters).
+
+A learner grades with `make grade LAB=labs/<lab>.ipynb` from the course's folder: it needs no
+activated environment (JupyterLab started by `make lab` has none), and is the command the labs,
+the book's lab pages and `progress` print (`grading_command`).
+"""
 
 import json
 import sys
 from pathlib import Path
+
+GRADE_COMMAND = "make grade LAB={path}"
+
+
+def grading_command(path) -> str:
+    """The one command that grades the lab at `path`, from the course's folder."""
+    return GRADE_COMMAND.format(path=path)
 
 
 def add_commands(sub) -> None:
@@ -62,7 +74,7 @@ def progress_command(_args) -> int:
     print(report.progress(reports))
     for error in errors:
         print(f"cannot grade {error}", file=sys.stderr)
-    print(f"\nDetails: python -m kernels grade {folder}/<lab>.ipynb")
+    print(f"\nDetails, from the course's folder: {grading_command(f'{folder}/<lab>.ipynb')}")
     return 2 if errors else 0
 
 
