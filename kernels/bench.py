@@ -380,7 +380,7 @@ def measure_or_note(chapter: str, key: str, measure):
     run does not hold `key` yet (a section newer than the chapter's last GPU recording)."""
     try:
         return measure_or_recorded(chapter, key, measure)
-    except KeyError:
+    except (KeyError, FileNotFoundError):  # a key, or the whole chapter, not recorded yet
         print(f"[{key}] not in the recorded H200 run yet: it shows here once the chapter is next "
               "recorded on a GPU")  # fmt: skip
         return None

@@ -73,6 +73,10 @@ def banner(chapter: str | None = None) -> None:
         print(f"GPU figures: measured now on this GPU, {today} (and recorded into {data})")
     else:
         data = f"kernels/data/{bench.RECORDED_GPU}/{chapter}.json"
+        if not (bench.DATA_DIR / bench.RECORDED_GPU / f"{chapter}.json").exists():
+            print(f"GPU figures: none recorded yet ({data} does not exist): this chapter has not "
+                  "been recorded on the course's GPU, so only its CPU figures show")  # fmt: skip
+            return
         run = bench.describe(_recorded_meta(chapter))
         print(f"GPU figures: no GPU here, so the run recorded in {data}: {run}")
 

@@ -120,6 +120,11 @@ def _int8_cases(rng):
             label = f"x ({m}, {k}) @ int8 ({n}, {k}).T, {cases.dtype_name(dtype)}, seed {seed}"
             ref = int8.linear_ref(x.double(), q, scale.double())
             drawn.append(Case((x, q, scale), label=label, expected=ref, dtype=dtype))
+    x, seed = cases.draw(rng, (3, 300), torch.float16)  # every other element of a wider row
+    q, scale = int8.quantize(cases.tensor((65, 300), seed + 1))
+    label = f"x (3, 300), non-contiguous, @ int8 (65, 300).T, float16, seed {seed}"
+    ref = int8.linear_ref(x.double(), q, scale.double())
+    drawn.append(Case((cases.strided(x), q, scale), label=label, expected=ref, dtype=torch.float16))
     return drawn
 
 
