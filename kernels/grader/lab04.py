@@ -185,7 +185,11 @@ def _window_cases(rng):
     )
 
 
-WINDOW_GPU_SPECS = ((2, 3, 257, 257, 64, 100), (1, 2, 1, 1000, 128, 256), (1, 4, 129, 300, 128, 64))
+WINDOW_GPU_SPECS = (
+    (2, 3, 257, 257, 64, 100),
+    (1, 2, 1, 1000, 128, 256),
+    (1, 4, 129, 300, 128, 64),
+)
 WINDOW_TIMED = (1, 16, 16384, 128, 512)  # (B, H, S, D, window), bf16
 MIN_SDPA_FRACTION = 1.0
 
@@ -193,14 +197,8 @@ MIN_SDPA_FRACTION = 1.0
 def _window_gpu_cases(rng):
     drawn = []
     for dtype in (torch.bfloat16, torch.float16):
-        drawn += [
-            _window_case(rng, spec, dtype)
-            for spec in (
-                (2, 3, 257, 257, 64, 100),
-                (1, 2, 1, 1000, 128, 256),
-                (1, 4, 129, 300, 128, 64),
-            )
-        ]
+        drawn += [_window_case(rng, spec, dtype) for spec in WINDOW_GPU_SPECS]
+        drawn.append(_window_case(rng, WINDOW_GPU_SPECS[2], dtype, strided=True))
     B, H, S, D, window = WINDOW_TIMED
     qkv = tuple(cases.big_random(rng, (B, H, S, D), torch.bfloat16) for _ in range(3))
     fraction = window / (S / 2)

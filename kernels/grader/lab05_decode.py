@@ -42,11 +42,14 @@ def decode_attention_ref(q, k, v):
     return torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v)
 
 
-def _inputs(rng, B, H, S, D, dtype, scale=1.0):
+def _inputs(rng, B, H, S, D, dtype, scale=1.0, strided=False):
+    """q, k, v and their seed; strided: each a view of every other element of its head dim."""
     seed = cases.new_seed(rng)
     q = cases.tensor((B, H, D), seed, dtype, scale=scale)
     k = cases.tensor((B, H, S, D), seed + 1, dtype, scale=scale)
     v = cases.tensor((B, H, S, D), seed + 2, dtype)
+    if strided:
+        q, k, v = cases.strided(q), cases.strided(k), cases.strided(v)
     return q, k, v, seed
 
 
@@ -63,12 +66,13 @@ PARTIAL_SHAPES = (
 )
 
 
-def _partials_case(rng, shape, dtype, scale=1.0):
+def _partials_case(rng, shape, dtype, scale=1.0, strided=False):
     B, H, S, D, split = shape
-    q, k, v, seed = _inputs(rng, B, H, S, D, dtype, scale)
+    q, k, v, seed = _inputs(rng, B, H, S, D, dtype, scale, strided)
     extra = f", scores of scale {scale:g}" if scale != 1.0 else ""
+    kind = ", non-contiguous" if strided else ""
     label = (
-        f"q {tuple(q.shape)}, k and v {tuple(k.shape)}, split_size {split}, "
+        f"q {tuple(q.shape)}, k and v {tuple(k.shape)}{kind}, split_size {split}, "
         f"{cases.dtype_name(dtype)}{extra}, seed {seed}"
     )
     return Case((q, k, v, split), label, expected=decode_partials_ref(q, k, v, split))
@@ -79,6 +83,7 @@ def decode_partials_cases(rng):
     for dtype in (torch.float32, torch.float16):
         drawn += [_partials_case(rng, shape, dtype) for shape in PARTIAL_SHAPES]
         drawn.append(_partials_case(rng, PARTIAL_SHAPES[-1], dtype))  # fresh data
+        drawn.append(_partials_case(rng, PARTIAL_SHAPES[4], dtype, strided=True))
     # scores of scale ~100: exp() of a raw score overflows float32; only m saves it
     drawn.append(_partials_case(rng, (2, 2, 150, 32, 64), torch.float32, scale=10.0))
     return drawn
@@ -104,12 +109,13 @@ def check_partials(case: Case, out) -> str | None:
 # Tasks 4 and 5: the whole step, values, then bitwise across batch prefixes.
 
 
-def _decode_group(rng, rows, H, S, D, split, dtype, extra_sizes=()):
+def _decode_group(rng, rows, H, S, D, split, dtype, extra_sizes=(), strided=False):
     from kernels.grader.lab05 import PrefixCase, _prefix_sizes  # lab05 imports this module
 
-    q, k, v, seed = _inputs(rng, rows, H, S, D, dtype)
+    q, k, v, seed = _inputs(rng, rows, H, S, D, dtype, strided=strided)
+    kind = " non-contiguous" if strided else ""
     label = (
-        f"q ({rows}, {H}, {D}), k and v ({rows}, {H}, {S}, {D}), split_size {split}, "
+        f"q ({rows}, {H}, {D}), k and v ({rows}, {H}, {S}, {D}){kind}, split_size {split}, "
         f"{cases.dtype_name(dtype)}, seed {seed}"
     )
 
@@ -137,7 +143,7 @@ def decode_attention_cases(rng):
     for dtype in (torch.float32, torch.float16):
         for B, H, S, D, split in DECODE_SHAPES:
             drawn += _decode_group(rng, B, H, S, D, split, dtype)
-    return drawn
+    return drawn + _decode_group(rng, *DECODE_SHAPES[0], torch.float32, strided=True)
 
 
 TIMED = (32, 8, 8192, 128)  # (B, H, S, D), bf16: 1 GiB of K and V, read once per step
@@ -148,6 +154,7 @@ def decode_gpu_cases(rng):
     for dtype in (torch.bfloat16, torch.float16):
         drawn += _decode_group(rng, 48, 8, 1000, 128, 256, dtype, (8, 16, 17, 31, 32, 33))
         drawn += _decode_group(rng, 20, 4, 4097, 64, 256, dtype)
+    drawn += _decode_group(rng, 20, 4, 1000, 64, 256, torch.bfloat16, strided=True)
     B, H, S, D = TIMED
     bf16 = torch.bfloat16
     q = cases.big_random(rng, (B, H, D), bf16)
