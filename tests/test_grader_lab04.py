@@ -111,3 +111,18 @@ def test_an_update_that_does_not_rescale_the_accumulator_fails(mask_batch):
     found = mask_batch["no_rescale"]["online_softmax_update"]
     assert found["status"] == "failed" and "wrong acc_new" in found["message"], found
     assert mask_batch["no_rescale"]["attention"]["status"] == "passed"
+
+
+# A window applied as a mask alone: right values, but the loop still walks every key from 0.
+LOOP_START = "lo = tl.maximum(start_m + shift - WINDOW + 1, 0) // BLOCK_N * BLOCK_N"
+MASK_ONLY = {"window_mask_only": ("attention", [(LOOP_START, "lo = 0 * start_m")])}
+
+
+@pytest.mark.gpu
+def test_a_window_that_only_masks_is_right_but_too_slow(tmp_path_factory):
+    found = batch(tmp_path_factory, MASK_ONLY, "attention_window", "attention_window_gpu")
+    found = found["window_mask_only"]
+    assert found["attention_window"]["status"] == "passed", found
+    slow = found["attention_window_gpu"]
+    assert slow["status"] == "failed" and "timed" in slow["message"], slow
+    assert "causal scaled_dot_product_attention" in slow["message"], slow
