@@ -207,3 +207,40 @@ def test_a_group_check_runs_after_every_case_passed():
     outcome = evaluate(task, drawn, run, str)
     assert outcome.status == "failed" and outcome.message.startswith("not batch-invariant")
     assert "[g1 first 3]. Hint: same bits for every batch" in outcome.message
+
+
+def test_every_baseline_the_child_times_is_named_and_runs():
+    assert set(child.TIMED_AGAINST) == set(cases.BASELINES)
+    q, k, v = (torch.randn(1, 2, n, 16) for n in (3, 5, 5))
+    args = {"copy": (k,), "matmul": (k[0, 0], k[0, 0].t()), "kv": (q[:, :, 0], k, v)}
+    args["attention"] = (k, k, v)
+    for name, baseline in child.TIMED_AGAINST.items():
+        out = baseline(list(args[name]))
+        assert all(isinstance(t, torch.Tensor) for t in (out if isinstance(out, tuple) else [out]))
+    with pytest.raises(ValueError, match="unknown baseline"):
+        cases.timed((k,), "x", against="sdpa", min_fraction=1.0, why="")
+
+
+def test_the_new_references_agree_with_the_course_and_autograd():
+    from kernels.attention import attention_ref
+    from kernels.grader import lab04, lab05_decode
+
+    q, k, v = (torch.randn(2, 3, n, 16, dtype=torch.float64) for n in (7, 40, 40))
+    # a window as long as the keys is causal attention; a window of 1 is each query's own value
+    assert torch.allclose(lab04.window_ref(q, k, v, 40), attention_ref(q, k, v, causal=True))
+    assert torch.allclose(lab04.window_ref(q, k, v, 1), v[:, :, -7:])
+    for causal in (False, True):
+        vg = v.clone().requires_grad_(True)
+        do = torch.randn_like(q)
+        attention_ref(q, k, vg, causal=causal).backward(do)
+        assert torch.allclose(lab04.dv_ref(q, k, do, causal), vg.grad)
+    # decoding: the partials, combined, are attention for one query; splits of any size agree
+    q1 = q[:, :, 0]
+    want = attention_ref(q1[:, :, None], k, v)[:, :, 0]
+    assert torch.allclose(lab05_decode.decode_attention_ref(q1, k, v), want)
+    for split in (16, 32, 64):
+        m, l, acc = lab05_decode.decode_partials_ref(q1, k, v, split)
+        assert m.shape == (2, 3, -(-40 // split)) and acc.shape == (*m.shape, 16)
+        w = torch.exp(m - m.amax(-1, keepdim=True))
+        combined = (w[..., None] * acc).sum(-2) / (w * l).sum(-1)[..., None]
+        assert torch.allclose(combined, want)

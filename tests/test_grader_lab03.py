@@ -26,6 +26,9 @@ STORE_MASK = "mask=(rows[:, None] < M) & (cols[None, :] < N)"
 BIAS = "acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]"
 BIAS_BY_ROWS = "acc += tl.load(bias_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]"
 IMPORTS = "from kernels.runtime import DEVICE, ON_GPU"
+SWIGLU = "y = g * tl.sigmoid(g) * u"
+SWIGLU_STORE = "y.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)"
+EXTRA_SIGMOID = SWIGLU_STORE.replace("y.to(", "tl.sigmoid(y).to(")
 GROUPED = "return first_m + in_band % band_height, in_band // band_height"
 
 # name -> [(the graded cell to change: a function it defines, or "import"), old, new), ...]
@@ -55,6 +58,10 @@ EPILOGUE_CASES = {
     "bias_by_rows": [("tiled_matmul", BIAS, BIAS_BY_ROWS)],
     "epilogue_stub": [("tiled_matmul", BIAS, "raise NotImplementedError('add the bias')")],
     "row_major_order": [("grouped_tile", GROUPED, "return pid // tiles_n, pid % tiles_n")],
+    # the activation on the wrong product: silu(x @ w_up) * (x @ w_gate)
+    "swiglu_swapped": [("swiglu", SWIGLU, "y = u * tl.sigmoid(u) * g")],
+    # one activation too many: sigmoid(silu(g) * u)
+    "swiglu_extra_sigmoid": [("swiglu", SWIGLU_STORE, EXTRA_SIGMOID)],
 }  # fmt: skip
 
 
@@ -76,7 +83,7 @@ def kernel_batch(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def epilogue_batch(tmp_path_factory):
-    return batch(tmp_path_factory, EPILOGUE_CASES, "bias_relu", "grouped_order")
+    return batch(tmp_path_factory, EPILOGUE_CASES, "tiled_matmul", "grouped_order", "swiglu")
 
 
 KERNEL_EXPECTED = {
@@ -100,14 +107,15 @@ def test_each_broken_matmul_fails_with_its_own_message(kernel_batch, name):
 
 def test_a_bias_on_the_wrong_axis_fails_the_epilogue_only(epilogue_batch):
     found = epilogue_batch["bias_by_rows"]
-    assert found["bias_relu"]["status"] == "failed", found
-    assert "wrong values" in found["bias_relu"]["message"]
-    assert "a (3, 7) @ b (7, 5) + bias, then ReLU, float32" in found["bias_relu"]["message"]
+    assert found["tiled_matmul"]["status"] == "failed", found
+    assert "wrong values" in found["tiled_matmul"]["message"]
+    assert "a (3, 7) @ b (7, 5) + bias, then ReLU, float32" in found["tiled_matmul"]["message"]
+    assert found["swiglu"]["status"] == "passed", found
     assert found["grouped_order"]["status"] == "passed", found
 
 
 def test_an_unwritten_epilogue_is_not_implemented_yet(epilogue_batch):
-    found = epilogue_batch["epilogue_stub"]["bias_relu"]
+    found = epilogue_batch["epilogue_stub"]["tiled_matmul"]
     assert found["status"] == "failed" and found["points"] == 0, found
     if not ON_GPU:  # compiled Triton refuses a kernel that raises, with its own message
         assert found["message"].startswith("not implemented yet: add the bias"), found
@@ -119,4 +127,14 @@ def test_row_major_order_fails_the_grouped_order_and_nothing_else(epilogue_batch
     assert found["grouped_order"]["status"] == "failed", found
     assert "program 1 computed tile (0, 1), expected (1, 0)" in message, message
     assert "tile_order(6, 8, 3)" in message
-    assert found["bias_relu"]["status"] == "passed", found  # any order computes the same c
+    assert found["tiled_matmul"]["status"] == "passed", found  # any order computes the same c
+    assert found["swiglu"]["status"] == "passed", found
+
+
+@pytest.mark.parametrize("name", ["swiglu_swapped", "swiglu_extra_sigmoid"])
+def test_a_wrong_swiglu_fails_it_and_nothing_else(epilogue_batch, name):
+    found = epilogue_batch[name]
+    assert found["swiglu"]["status"] == "failed" and found["swiglu"]["points"] == 0, found
+    assert "wrong values" in found["swiglu"]["message"], found
+    assert "w_gate and w_up" in found["swiglu"]["message"], found
+    assert found["tiled_matmul"]["status"] == "passed", found

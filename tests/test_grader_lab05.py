@@ -1,5 +1,5 @@
 """Lab 5's grader against bad submissions: a kernel that is right but batch-variant, or
-invariant but wrong, earns nothing, and says which.
+invariant but wrong, or combined by atomics, earns nothing, and says which.
 
 Every bad submission is Lab 5's solution with one graded cell changed, graded with only the
 task it breaks, so the file stays within about a minute on two cores.
@@ -13,22 +13,45 @@ from bad_submissions import grade_cases, in_function
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab05_batch_invariance.ipynb"
 
-RMS_BLOCK = "block_c = min(triton.next_power_of_2(n_cols), MAX_BLOCK_C)"
 MATMUL_GRID = 'grid = (triton.cdiv(M, CONFIG["BLOCK_M"]), triton.cdiv(N, CONFIG["BLOCK_N"]))'
 MATMUL_STORE = "acc.to(c_ptr.dtype.element_ty), mask=mask)"
 COMPARE = "if not torch.equal(op(x[:b])[0], alone):"
-SPLITS = (
-    "return [(start, min(start + split_size, kv_len)) for start in range(0, kv_len, split_size)]"
-)
+PARTIALS = "m, l, acc = decode_partials(q, k, v, split_size)"
+COMBINE_ORDER = "for s in range(0, n_splits):  # split 0, 1, 2, ...: the same order in every batch"
+COMBINE_ADD = "acc += w * tl.load(acc_ptr + (bh * n_splits + s) * D + d)"
+NO_MAX = "p = tl.exp(s - m_new)"
+N_SPLITS = "n_splits = triton.cdiv(S, split_size)"
+FOUR_SPLITS = "split_size = max(16, triton.next_power_of_2(triton.cdiv(S, 4)))"
 
 # name -> (the task it breaks, the function whose cell changes, [(old, new)], message fragments)
 CASES = {
-    # a smaller block (more, shorter chunks per row) for small batches: a split reduction's order
-    "rms_norm_small_batch_blocks": (
-        "invariant_rms_norm",
-        "invariant_rms_norm",
-        [(RMS_BLOCK, RMS_BLOCK.replace("MAX_BLOCK_C)", "MAX_BLOCK_C if n_rows >= 8 else 64)"))],
+    # the library's choice: more, smaller splits for a small batch; the values stay right
+    "decode_split_from_batch": (
+        "decode_attention",
+        "decode_attention",
+        [(PARTIALS, PARTIALS.replace("split_size)", "split_size if q.shape[0] >= 4 else 16)"))],
         ["not batch-invariant", "differs from f(X)[:", "ULP", "rows]"],
+    ),
+    # the combine's adds from atomics: refused before anything runs
+    "decode_atomic_combine": (
+        "decode_attention",
+        "decode_combine_kernel",
+        [(COMBINE_ADD, "tl.atomic_add(out_ptr + bh * D + d, w)\n        " + COMBINE_ADD)],
+        ["uses atomic_add", "order the programs finish"],
+    ),
+    # the partials without the max: exp of a score of ~100 overflows float32
+    "partials_no_max": (
+        "decode_partials",
+        "decode_split_kernel",
+        [(NO_MAX, "p = tl.exp(s)")],
+        ["wrong l", "float32", "seed"],
+    ),
+    # the splits of a fixed NUMBER (4) rather than a fixed size: the partials' shape shows it
+    "partials_fixed_count": (
+        "decode_partials",
+        "decode_partials",
+        [(N_SPLITS, FOUR_SPLITS + "\n    " + N_SPLITS)],
+        ["expected"],
     ),
     "matmul_block_k_from_m": (
         "invariant_matmul",
@@ -51,12 +74,6 @@ CASES = {
         [(COMPARE, "if not torch.allclose(op(x[:b])[0], alone, rtol=1e-3):")],
         ["expected", "a hidden op"],
     ),
-    "kv_splits_fixed_count": (
-        "kv_splits",
-        "kv_splits",
-        [(SPLITS, "return [(kv_len * i // 4, kv_len * (i + 1) // 4) for i in range(4)]")],
-        ["kv_splits(1000, 256)", "expected"],
-    ),
 }  # fmt: skip
 
 
@@ -65,9 +82,10 @@ def reports(tmp_path_factory):
     """{bad submission: {task: its report}}, one grader run per group of tasks."""
     found = {}
     for tasks in (
-        ["invariant_rms_norm"],
         ["invariant_matmul"],
-        ["first_variant_batch", "kv_splits"],
+        ["first_variant_batch"],
+        ["decode_partials"],
+        ["decode_attention"],
     ):
         cases = {name: in_function(*spec[1:3]) for name, spec in CASES.items() if spec[0] in tasks}
         folder = tmp_path_factory.mktemp(tasks[0])

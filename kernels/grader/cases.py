@@ -106,7 +106,12 @@ def values(op: str) -> Callable:
 
 
 # What the child times a call against: torch doing the same job, or the least of it.
-BASELINES = {"copy": "torch copying the same tensor", "matmul": "torch.matmul (cuBLAS)"}
+BASELINES = {
+    "copy": "torch copying the same tensor",
+    "matmul": "torch.matmul (cuBLAS)",
+    "kv": "torch copying k and v",
+    "attention": "torch's causal scaled_dot_product_attention",
+}
 
 
 def speed(min_fraction: float, why: str, rate: Callable[[float], str] | None = None) -> Callable:

@@ -177,6 +177,10 @@ def _materialize(value, device):
 TIMED_AGAINST = {
     "copy": lambda args: args[0].clone(),
     "matmul": lambda args: torch.matmul(args[0], args[1]),
+    "kv": lambda args: (args[1].clone(), args[2].clone()),
+    "attention": lambda args: torch.nn.functional.scaled_dot_product_attention(
+        args[0], args[1], args[2], is_causal=True
+    ),
 }
 
 

@@ -71,10 +71,8 @@ def precheck(task, notebook) -> Outcome | None:
         return failed(found.kernel_problems[0])
     used = sorted(name for name in task.forbidden_names if name in found.identifiers)
     if used:
-        return failed(
-            f"uses {used[0]} at {where(found.identifiers[used[0]])}, which this lab asks you "
-            "to write yourself"
-        )
+        why = task.forbidden_reasons.get(used[0], "which this lab asks you to write yourself")
+        return failed(f"uses {used[0]} at {where(found.identifiers[used[0]])}, {why}")
     return None
 
 

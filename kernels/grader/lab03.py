@@ -1,8 +1,9 @@
 """Lab 3, a Triton matmul: its tasks, the cases the grader draws, and the references.
 
 The references live here, not in the notebook: the napkin math from its formulas, the grouped
-program order built tile by tile, every product in fp64 (`kernels.matmul.matmul_ref`) with
-torch's own same-dtype product beside it for the rule "at most twice torch's error".
+program order built tile by tile, every product in fp64 (`kernels.matmul.matmul_ref`,
+`swiglu_ref`) with torch's own same-dtype result beside it for the rule "at most twice torch's
+error".
 """
 
 from functools import partial
@@ -156,27 +157,64 @@ def _bias_relu_cases(rng):
     )
 
 
-def _gpu_cases(rng):
+def _swiglu_case(rng, shape, dtype, strided=False):
+    """silu(x @ w_gate) * (x @ w_up): centred inputs (half the gates negative), outputs of
+    magnitude about 1 whatever k. Strided: every operand a transposed, strided view."""
+    m, n, k = shape
+    seed, scale = cases.new_seed(rng), k**-0.25
+
+    def operand(rows, cols, offset):
+        made = (cols, rows) if strided else (rows, cols)
+        x = (cases.tensor(made, seed + offset, scale=scale) - 0.5 * scale).to(dtype)
+        return cases.strided(x).t() if strided else x
+
+    x, w_gate, w_up = operand(m, k, 0), operand(k, n, 1), operand(k, n, 2)
+    layout = " (all non-contiguous: strided, transposed views)" if strided else ""
+    label = (
+        f"x ({m}, {k}), w_gate and w_up ({k}, {n}){layout}, {cases.dtype_name(dtype)}, seed {seed}"
+    )
+    expected = swiglu_ref(x.double(), w_gate.double(), w_up.double())
+    baseline = None if dtype == torch.float32 else swiglu_ref(x, w_gate, w_up)
+    return Case((x, w_gate, w_up), label, expected=expected, dtype=dtype, baseline=baseline)
+
+
+def swiglu_ref(x, w_gate, w_up):
+    """silu(x @ w_gate) * (x @ w_up) in the inputs' dtype (float64 for the reference)."""
+    return torch.nn.functional.silu(x @ w_gate) * (x @ w_up)
+
+
+SWIGLU_SHAPES = ((1, 1, 1), (3, 5, 7), (1, 96, 65), (17, 40, 1), (33, 31, 97), (95, 97, 63))
+
+
+def _swiglu_cases(rng):
+    return cases.standard(
+        _swiglu_case, SWIGLU_SHAPES, DTYPES, rng, again=SWIGLU_SHAPES[-1], strided_spec=(65, 47, 33)
+    )
+
+
+def _swiglu_gpu_cases(rng):
     bf16 = torch.bfloat16
     drawn = [
-        _matmul_case(rng, shape, bf16)
+        _swiglu_case(rng, shape, bf16)
         for shape in ((1, 1, 1), (1000, 1003, 517), (1, 2048, 2048), (257, 129, 4097))
     ]
-    drawn.append(_matmul_case(rng, (1000, 1003, 517), bf16, bias=True, relu=True))
-    drawn.append(_matmul_case(rng, (129, 257, 1025), bf16, bias=True, relu=True, strided=True))
-    operands = tuple(cases.big_random(rng, (SPEED_N, SPEED_N), bf16) for _ in range(2))
+    drawn.append(_swiglu_case(rng, (129, 257, 1025), bf16, strided=True))
+    operands = tuple(cases.big_random(rng, (SPEED_N, SPEED_N), bf16) for _ in range(3))
     timed = cases.timed(
         operands,
-        f"bfloat16 {SPEED_N}^3, timed against torch.matmul (cuBLAS)",
+        f"bfloat16 {SPEED_N}^3, two products, timed against one torch.matmul (cuBLAS)",
         against="matmul",
-        min_fraction=MIN_CUBLAS_FRACTION,
-        why="a tiled kernel with large tiles and pipelined loads gets there",
-        rate=lambda ms: f"{2 * SPEED_N**3 / (ms * 1e9):.0f} TFLOP/s",
+        min_fraction=MIN_CUBLAS_FRACTION / 2,
+        why="the fused kernel does two products, so half of cuBLAS's rate is "
+        f"{MIN_CUBLAS_FRACTION / 2:.0%} of the speed of its one",
+        rate=lambda ms: f"{4 * SPEED_N**3 / (ms * 1e9):.0f} TFLOP/s",
     )
     return drawn + [timed]
 
 
-# The three kernel tasks share the learner's function, its check and what it may not call.
+SILU_OPS = frozenset({"silu", "sigmoid", "glu", "swish"})
+
+# The matmul task shares the learner's function, its check and what it may not call.
 matmul_task = partial(
     kernel_task,
     function="tiled_matmul",
@@ -212,27 +250,40 @@ TASKS = [
     matmul_task(
         name="tiled_matmul",
         points=4,
-        summary="a tiled Triton matmul: odd shapes, K = 1, transposed inputs, fp32 and fp16",
+        summary="the warm-up: a tiled Triton matmul with its bias + ReLU epilogue, odd shapes, "
+        "K = 1, transposed inputs, fp32 and fp16",
         hint="accumulate in fp32, mask the loads along K and the store along M and N; fp32 "
-        'needs tl.dot(..., input_precision="ieee")',
-        cases=_tiled_matmul_cases,
+        'needs tl.dot(..., input_precision="ieee"); bias[cols] on every row, then ReLU',
+        cases=lambda rng: _tiled_matmul_cases(rng) + _bias_relu_cases(rng),
     ),
-    matmul_task(
-        name="bias_relu",
-        points=2,
-        summary="the fused epilogue: relu(a @ b + bias) on odd shapes, fp32 and fp16",
-        hint="add bias[cols] to every row of the fp32 tile, then tl.maximum(acc, 0.0), before "
-        "the one store",
-        cases=_bias_relu_cases,
+    kernel_task(
+        name="swiglu",
+        function="swiglu",
+        points=4,
+        summary="a fused SwiGLU: silu(x @ w_gate) * (x @ w_up) from two accumulators and one "
+        "store, odd shapes, fp32 and fp16",
+        hint="one slab of x and one of each weight per step, two tl.dot accumulators in fp32; "
+        "then g * sigmoid(g) * u on the tiles, one store",
+        cases=_swiglu_cases,
+        check=cases.values("matmul"),
+        forbidden_ops=MATMUL_OPS | SILU_OPS,
+        forbidden_names=MATMUL_NAMES,
+        time_limit=180.0,
     ),
-    matmul_task(
-        name="tiled_matmul_gpu",
-        points=2,
-        summary=f"on a GPU: bf16 values, and at least {MIN_CUBLAS_FRACTION}x cuBLAS's speed at "
-        f"{SPEED_N}^3",
-        hint="large tiles (128 x 128 or more), num_stages of 3 or 4, num_warps 8",
-        cases=_gpu_cases,
+    kernel_task(
+        name="swiglu_gpu",
+        function="swiglu",
+        points=3,
+        summary=f"on a GPU: bf16 values, and two products at {SPEED_N}^3 at least "
+        f"{MIN_CUBLAS_FRACTION / 2}x the speed of cuBLAS's one",
+        hint="block_config's GPU tiles for both accumulators: two fp32 tiles of 128 x 128 fit "
+        "in 8 warps' registers, 128 x 256 do not",
+        cases=_swiglu_gpu_cases,
+        check=cases.values("matmul"),
+        forbidden_ops=MATMUL_OPS | SILU_OPS,
+        forbidden_names=MATMUL_NAMES,
         needs_gpu=True,
         exclusive=True,
+        time_limit=180.0,
     ),
 ]

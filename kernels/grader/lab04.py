@@ -1,7 +1,8 @@
 """Lab 4, attention: its tasks, the cases the grader draws, and the references.
 
 The references are computed here in fp64: the online-softmax step from its formulas, the
-attention from `kernels.attention.attention_ref` on upcast inputs. Shapes stay tiny on a CPU
+attention from `kernels.attention.attention_ref` on upcast inputs, the sliding window and dV
+from the masked probabilities. Shapes stay tiny on a CPU
 (the interpreter runs every program in Python) and odd, so that masks on the last query
 block, the last key block and the causal diagonal are all exercised.
 """
@@ -130,7 +131,127 @@ def _attention_gpu_cases(rng):
     return drawn
 
 
-# The three kernel tasks share the learner's function, its check and the torch ops they forbid.
+# Task 3: a sliding window. Query i, at position p = i + Sk - Sq, sees keys p - window < j <= p.
+
+
+def visible(Sq: int, Sk: int, causal: bool, window: int | None = None) -> torch.Tensor:
+    """(Sq, Sk) bool: which keys each query sees, the causal mask aligned to the end."""
+    pos = torch.arange(Sq)[:, None] + (Sk - Sq)
+    j = torch.arange(Sk)[None, :]
+    seen = j <= pos if causal or window else torch.ones(Sq, Sk, dtype=torch.bool)
+    return seen & (j > pos - window) if window else seen
+
+
+def masked_probs(q, k, mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) in float64 with the hidden scores -inf: (B, H, Sq, Sk)."""
+    scores = q.double() @ k.double().transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+
+
+def window_ref(q, k, v, window: int) -> torch.Tensor:
+    mask = visible(q.shape[-2], k.shape[-2], True, window)
+    return masked_probs(q, k, mask) @ v.double()
+
+
+# (B, H, Sq, Sk, D, window): a window of one key, windows shorter and longer than a block of 16,
+# Sq < Sk, and a window longer than the sequence (plain causal attention)
+WINDOW_SPECS = (
+    (1, 1, 1, 1, 16, 1),
+    (1, 2, 17, 17, 16, 1),
+    (1, 2, 33, 33, 32, 5),
+    (2, 1, 40, 40, 16, 17),
+    (1, 2, 5, 33, 32, 16),
+    (1, 1, 31, 70, 16, 40),
+    (1, 1, 20, 20, 32, 64),
+)
+
+
+def _window_case(rng, spec, dtype, strided=False):
+    B, H, Sq, Sk, D, window = spec
+    case = _attention_case(rng, (B, H, Sq, Sk, D), dtype, causal=True, strided=strided)
+    q, k, v = case.args
+    label = case.label.replace("causal=True", f"window {window}")
+    return Case((q, k, v, window), label, window_ref(q, k, v, window), dtype)
+
+
+def _window_cases(rng):
+    return cases.standard(
+        _window_case,
+        WINDOW_SPECS,
+        (torch.float32, torch.float16),
+        rng,
+        again=WINDOW_SPECS[3],
+        strided_spec=WINDOW_SPECS[4],
+    )
+
+
+WINDOW_GPU_SPECS = (
+    (2, 3, 257, 257, 64, 100),
+    (1, 2, 1, 1000, 128, 256),
+    (1, 4, 129, 300, 128, 64),
+)
+WINDOW_TIMED = (1, 16, 16384, 128, 512)  # (B, H, S, D, window), bf16
+MIN_SDPA_FRACTION = 1.0
+
+
+def _window_gpu_cases(rng):
+    drawn = []
+    for dtype in (torch.bfloat16, torch.float16):
+        drawn += [_window_case(rng, spec, dtype) for spec in WINDOW_GPU_SPECS]
+        drawn.append(_window_case(rng, WINDOW_GPU_SPECS[2], dtype, strided=True))
+    B, H, S, D, window = WINDOW_TIMED
+    qkv = tuple(cases.big_random(rng, (B, H, S, D), torch.bfloat16) for _ in range(3))
+    fraction = window / (S / 2)
+    timed = cases.timed(
+        (*qkv, window),
+        f"q, k, v ({B}, {H}, {S}, {D}), bfloat16, window {window}, timed",
+        against="attention",
+        min_fraction=MIN_SDPA_FRACTION,
+        why=f"a window of {window} keys is {fraction:.0%} of causal attention's work at this "
+        "length, when the kernel skips the key blocks outside it",
+        rate=lambda ms: f"{4 * B * H * S * window * D / (ms * 1e9):.0f} TFLOP/s",
+    )
+    return drawn + [timed]
+
+
+# Task 4: dV, the first gradient of the backward
+
+
+def dv_ref(q, k, do, causal: bool) -> torch.Tensor:
+    """dV = P^T dO in float64: (B, H, Sk, D)."""
+    mask = visible(q.shape[-2], k.shape[-2], causal)
+    return masked_probs(q, k, mask).transpose(-2, -1) @ do.double()
+
+
+def lse_ref(q, k, causal: bool) -> torch.Tensor:
+    """The log-sum-exp of each query's scaled, masked scores, float32: (B, H, Sq)."""
+    mask = visible(q.shape[-2], k.shape[-2], causal)
+    scores = q.double() @ k.double().transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.logsumexp(scores.masked_fill(~mask, -math.inf), dim=-1).float()
+
+
+def _dv_case(rng, shape, dtype, causal=None, strided=False):
+    causal = rng.random() < 0.5 if causal is None else causal
+    case = _attention_case(rng, shape, dtype, causal=causal, strided=strided)
+    q, k, do = case.args  # the third operand plays dO: (B, H, Sk, D) is its shape only when Sq = Sk
+    B, H, Sq, Sk, D = shape
+    do = cases.tensor((B, H, Sq, D), cases.new_seed(rng), dtype)
+    do = cases.strided(do) if strided else do
+    lse = lse_ref(q, k, causal)
+    label = case.label.replace("k and v", "k").replace(", causal", ", dO of q's shape, causal")
+    return Case((q, k, do, lse), label, dv_ref(q, k, do, causal), dtype, kwargs={"causal": causal})
+
+
+def _dv_cases(rng):
+    drawn = []
+    for dtype in (torch.float32, torch.float16):
+        for causal in (False, True):
+            drawn += [_dv_case(rng, shape, dtype, causal) for shape in CPU_SHAPES]
+        drawn.append(_dv_case(rng, CPU_SHAPES[3], dtype, True, strided=True))
+    return drawn
+
+
+# The kernel tasks share their check and the torch ops they forbid.
 attention_task = partial(
     kernel_task,
     function="attention",
@@ -151,24 +272,43 @@ TASKS = [
     ),
     attention_task(
         name="attention",
-        summary="the fused forward, no mask: odd Sq <= Sk, D 16 and 32, fp32 and fp16",
-        hint="mask the last query rows and the last keys (scores -inf); divide by l at the end",
-        cases=partial(_attention_cases, causal=False),
+        summary="the warm-up: the fused forward, causal and not, odd Sq <= Sk, D 16 and 32, "
+        "fp32 and fp16",
+        hint="mask the last query rows and the last keys (scores -inf); query i sees key j when "
+        "j <= i + Sk - Sq; divide by l at the end",
+        cases=lambda rng: _attention_cases(rng, False) + _attention_cases(rng, True),
         points=4,
     ),
     attention_task(
-        name="attention_causal",
-        summary="the same kernel with causal=True, the mask aligned to the end when Sq < Sk",
-        hint="query i sees key j when j <= i + Sk - Sq",
-        cases=partial(_attention_cases, causal=True),
+        name="attention_window",
+        function="attention_window",
+        summary="a sliding window: query i sees the last `window` keys up to its own position, "
+        "windows of 1 to longer than Sk",
+        hint="start the key loop at the block of the first row's first visible key; a row may "
+        "see nothing in a block: guard m = -inf as the streamed softmax does",
+        cases=_window_cases,
         points=3,
     ),
     attention_task(
-        name="attention_gpu",
-        summary="on a GPU: compiled, bf16 and fp16, D 64 and 128, causal and not",
-        hint="compute in fp32 inside the kernel; feed tl.dot the inputs' dtype",
-        cases=_attention_gpu_cases,
+        name="attention_dv",
+        function="attention_dv",
+        summary="dV = P^T dO from q, k, dO and the forward's log-sum-exp, causal and not, fp32 "
+        "and fp16",
+        hint="one program per key block, looping over query blocks: P^T = exp(scale * K Q^T - "
+        "lse) with the masks, dv += tl.dot(P^T, dO)",
+        cases=_dv_cases,
+        points=4,
+    ),
+    attention_task(
+        name="attention_window_gpu",
+        function="attention_window",
+        summary="on a GPU: bf16 and fp16, D 64 and 128, and a window of 512 at 16384 tokens "
+        "at least as fast as causal SDPA",
+        hint="the loop over keys runs from the window's first block to the diagonal: about "
+        "(window + BLOCK_M) / BLOCK_N blocks per program, whatever S is",
+        cases=_window_gpu_cases,
         points=2,
         needs_gpu=True,
+        exclusive=True,
     ),
 ]

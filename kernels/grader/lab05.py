@@ -5,6 +5,7 @@ child returns f(X) and f(X[:B]) for several B, and once every value is right aga
 course's references in float64 (`kernels.batch_invariant.rms_norm_ref` and `matmul_ref`,
 through `kernels.check`), the task's group check compares them bit for bit
 (`kernels.batch_invariant.harness`).
+Tasks 3 to 5, split-KV decoding, draw their cases in `lab05_decode`.
 The first task's ops are built in the child from a description (`variant_op`): the grader
 builds the same op from the same description and finds the answer itself.
 """
@@ -15,9 +16,15 @@ from functools import partial
 
 import torch
 
-from kernels.batch_invariant import matmul_ref, rms_norm_ref
+from kernels.batch_invariant import matmul_ref
 from kernels.batch_invariant.harness import InvarianceReport
 from kernels.grader import cases
+from kernels.grader.lab05_decode import (
+    check_partials,
+    decode_attention_cases,
+    decode_gpu_cases,
+    decode_partials_cases,
+)
 from kernels.grader.tasks import Case, Task, kernel_task
 
 NAME = "lab05_batch_invariance"
@@ -151,11 +158,11 @@ def check_prefixes(drawn, outputs) -> tuple | None:
     once every output is right, so each is a tensor of the expected shape and dtype."""
     full = {}
     for case, out in zip(drawn, outputs, strict=True):
-        if case.batch is None:
+        if isinstance(case, PrefixCase) and case.batch is None:
             full[case.group] = out
     for i, (case, out) in enumerate(zip(drawn, outputs, strict=True)):
-        if case.batch is None:
-            continue
+        if not isinstance(case, PrefixCase) or case.batch is None:
+            continue  # a full batch, or a timed case
         report = InvarianceReport()
         report.compare(f"B={case.batch}", out, full[case.group][: case.batch])
         if not report.ok:
@@ -164,29 +171,6 @@ def check_prefixes(drawn, outputs) -> tuple | None:
                 f"(max |diff| {report.max_abs_diff:.3g}, {report.max_ulp} ULP)"
             )
     return None
-
-
-RMS_COLS = (1, 3, 127, 129, 1000, 4097)
-RMS_EPS = 1e-6
-
-
-def _rms_norm_group(rng, n, dtype, strided=False):
-    rows, scale = rng.randint(20, 40), rng.choice((1.0, 10.0))
-    x, seed = cases.draw(rng, (rows, n), dtype, scale)
-    w = cases.tensor((n,), seed + 1, dtype)
-    x = cases.strided(x) if strided else x
-    kind = " non-contiguous" if strided else ""
-    label = f"x ({rows}, {n}){kind}, {cases.dtype_name(dtype)}, seed {seed}"
-    ref = lambda x: rms_norm_ref(x.double(), w.double(), RMS_EPS)
-    return _prefix_group(x, (w, RMS_EPS), label, ref, dtype, _prefix_sizes(rows, rng))
-
-
-def _rms_norm_cases(rng):
-    drawn = []
-    for dtype in (torch.float32, torch.float16):
-        for n in RMS_COLS:
-            drawn += _rms_norm_group(rng, n, dtype)
-    return drawn + _rms_norm_group(rng, 129, torch.float32, strided=True)
 
 
 MATMUL_SHAPES = ((67, 129, 33), (40, 64, 65))  # (M, K, N), M the largest batch
@@ -213,44 +197,23 @@ def _matmul_cases(rng):
     return drawn + _matmul_group(rng, MATMUL_SHAPES[1], torch.float32, strided=True)
 
 
-def _matmul_gpu_cases(rng):
-    shapes = ((300, 1024, 512), (129, 4096, 256))
-    prefixes = (*MATMUL_PREFIXES, 8, 63, 127, 128, 129, 131, 132, 133, 255, 256, 257)
-    drawn = []
-    for dtype in (torch.bfloat16, torch.float16):
-        drawn += [c for shape in shapes for c in _matmul_group(rng, shape, dtype, prefixes)]
-    return drawn + _matmul_group(rng, shapes[0], torch.bfloat16, prefixes, strided=True)
-
-
-# Task 4: fixed-size split-KV
-
-
-def kv_splits_ref(kv_len: int, split_size: int) -> list:
-    return [[lo, min(lo + split_size, kv_len)] for lo in range(0, kv_len, split_size)]
-
-
-def _kv_splits_cases(rng):
-    pairs = [(1000, 256), (1, 256), (256, 256), (257, 256), (255, 256), (0, 64), (4096, 256)]
-    while len(pairs) < 16:
-        size = rng.choice((16, 64, 128, 256))
-        pairs.append((rng.randint(1, 40 * size), size))
-    label = "kv_splits({}, {})"
-    return [Case(p, label=label.format(*p), expected=kv_splits_ref(*p)) for p in pairs]
-
-
-def _check_kv_splits(case: Case, out) -> str | None:
-    if isinstance(out, (list, tuple)) and all(isinstance(s, (list, tuple)) for s in out):
-        got = [list(s) for s in out]
-        if got == case.expected:
-            return None
-    shown = case.expected if len(case.expected) <= 5 else [*case.expected[:4], "..."]
-    return f"returned {out!r:.60}, expected {shown}"
-
-
 MATMUL_OPS = frozenset({"matmul", "mm", "addmm", "__matmul__", "bmm", "einsum"})
 # The kernel tasks: values, then bitwise invariance across each group's batch sizes, and none
 # of the course's own invariant kernels.
 invariant_task = partial(kernel_task, check_group=check_prefixes, forbidden_names=COURSE_NAMES)
+
+# Atomics add in the order the programs happen to finish: a combine built on them is not
+# invariant on a GPU (on a CPU the interpreter runs programs in order and hides it).
+ATOMICS = frozenset({"atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min"})
+ATOMIC_REASONS = dict.fromkeys(
+    ATOMICS, "an atomic adds in the order the programs finish, which changes from run to run"
+)
+decode_task = partial(
+    invariant_task,
+    forbidden_names=COURSE_NAMES | ATOMICS,
+    forbidden_reasons=ATOMIC_REASONS,
+    forbidden_ops=frozenset({"scaled_dot_product_attention", "softmax", *MATMUL_OPS}),
+)
 
 TASKS = [
     Task(
@@ -264,16 +227,6 @@ TASKS = [
         forbidden_names=COURSE_NAMES,
     ),
     invariant_task(
-        name="invariant_rms_norm",
-        function="invariant_rms_norm",
-        points=3,
-        summary="a Triton RMSNorm: values, and bitwise f(X[:B]) == f(X)[:B], fp32 and fp16",
-        hint="one row per program, the same block size and order of additions for every batch",
-        cases=_rms_norm_cases,
-        check=cases.values("reduction"),
-        forbidden_ops=frozenset({"rms_norm"}),
-    ),
-    invariant_task(
         name="invariant_matmul",
         function="invariant_matmul",
         points=3,
@@ -283,25 +236,39 @@ TASKS = [
         check=cases.values("matmul"),
         forbidden_ops=MATMUL_OPS,
     ),
-    Task(
-        name="kv_splits",
-        function="kv_splits",
-        points=2,
-        summary="fixed-size split-KV boundaries on edge and random lengths",
-        hint="splits start at 0, split_size, 2 * split_size, ...; only the last one is shorter",
-        cases=_kv_splits_cases,
-        check=_check_kv_splits,
-        forbidden_names=COURSE_NAMES,
+    decode_task(
+        name="decode_partials",
+        function="decode_partials",
+        points=3,
+        summary="split-KV partials (m, l, acc) of one decoding query, splits of a fixed size",
+        hint="split s holds keys [s * split_size, (s + 1) * split_size); m its max scaled score, "
+        "l the sum of exp(score - m), acc the sum of exp(score - m) * v",
+        cases=decode_partials_cases,
+        check=check_partials,
+        check_group=None,
     ),
-    invariant_task(
-        name="invariant_matmul_gpu",
-        function="invariant_matmul",
-        points=2,
-        summary="on a GPU: bf16 and fp16, M from 1 to 300 across tile and SM-count edges",
-        hint="no split-K and no tile choice from M: the compiled kernel must not depend on M",
-        cases=_matmul_gpu_cases,
-        check=cases.values("matmul"),
-        forbidden_ops=MATMUL_OPS,
+    decode_task(
+        name="decode_attention",
+        function="decode_attention",
+        points=4,
+        summary="split-KV decoding with an ordered combine: values, and bitwise f(Q[:B]) == "
+        "f(Q)[:B]",
+        hint="the same split_size for every batch; combine split 0, 1, 2, ... in one program per "
+        "(batch, head), rescaling by exp(m_s - max m)",
+        cases=decode_attention_cases,
+        check=cases.values("attention"),
+    ),
+    decode_task(
+        name="decode_attention_gpu",
+        function="decode_attention",
+        points=3,
+        summary="on a GPU: bf16 and fp16, bitwise across batches of 1 to 48, and at least half "
+        "the speed of copying K and V",
+        hint="one program per (batch, head, split), BLOCK_N keys at a time; the combine is tiny",
+        cases=decode_gpu_cases,
+        check=cases.values("attention"),
         needs_gpu=True,
+        exclusive=True,
+        time_limit=180.0,  # compiles the two kernels for each dtype, then times a 1 GiB step
     ),
 ]

@@ -94,6 +94,8 @@ class Task:
     launcher_ops: frozenset | None = None  # torch ops allowed outside kernels (None: any)
     forbidden_ops: frozenset = frozenset()  # torch ops that are the task itself
     forbidden_names: frozenset = frozenset()  # names the source may not use
+    # why a forbidden name earns nothing, where not "this lab asks you to write it yourself"
+    forbidden_reasons: dict = field(default_factory=dict, hash=False, compare=False)
     poison: bool = False  # allocations are NaN-filled during the call
     needs_gpu: bool = False
     exclusive: bool = False  # runs alone (timing)
