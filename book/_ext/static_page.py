@@ -8,6 +8,9 @@
   become the date and device of the notebook's recorded run (its metadata `recorded`, written
   by `python -m kernels record`).
 
+- A notebook links the book's pages from where it sits (`../book/glossary.md`); its copy in the
+  book sits beside them, so such links lose their `book/` (`../glossary.md`).
+
 `for_static_page` works on the notebook's JSON (a dict) and changes nothing else.
 """
 
@@ -43,6 +46,8 @@ def for_static_page(nb: dict) -> dict:
     run = nb.get("metadata", {}).get("recorded") or {}
     device, date = run.get("device", "the recorded GPU"), run.get("date", "the recorded date")
     for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            cell["source"] = _text(cell.get("source", "")).replace("](../book/", "](../")
         if cell.get("cell_type") != "code":
             continue
         cell["source"] = drop_nbval_markers(_text(cell.get("source", "")))
