@@ -250,7 +250,7 @@ def test_the_recorded_run_is_a_whole_table():
     assert len(names) == len(set(names)), "a row name appears twice"
     assert all(ROW_KEYS <= set(r) <= ROW_KEYS | OPTIONAL_ROW_KEYS for r in RECORDED["rows"])
     assert all(r["ms"] > 0 for r in RECORDED["rows"])
-    assert {r["unit"] for r in RECORDED["rows"]} <= {"GB/s", "TFLOP/s", "tok/s"}
+    assert {r["unit"] for r in RECORDED["rows"]} <= {"GB/s", "TFLOP/s", "tok/s", "us/call"}
     # every row's name was written by a run listed in "runs"
     assert set(names) <= {n for run in RECORDED["runs"] for n in run["rows"]}
     table = format_table(RECORDED)

@@ -3,7 +3,8 @@ on the same inputs in the same run. One module per chapter; each chapter's bench
 named in BENCHMARKS.
 
 A benchmark is a function (ceilings) -> list of rows (built by `row`):
-{"name", "ms", "unit": "GB/s" | "TFLOP/s" | "tok/s", "rate", "pct_of_ceiling",
+{"name", "ms", "unit": "GB/s" | "TFLOP/s" | "tok/s" | "us/call" (host time), "rate",
+"pct_of_ceiling",
 "baselines": {name: ms}}. A run is {"ceilings", "rows", "meta"} (and "runs" once merged); the
 run recorded on the course's GPU is kernels/data/<gpu>/bench.json.
 """
