@@ -11,13 +11,11 @@ builds the same op from the same description and finds the answer itself.
 """
 
 import bisect
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from kernels.batch_invariant import matmul_ref
-from kernels.batch_invariant.harness import InvarianceReport
 from kernels.grader import cases
 from kernels.grader.lab05_decode import (
     check_partials,
@@ -25,6 +23,7 @@ from kernels.grader.lab05_decode import (
     decode_gpu_cases,
     decode_partials_cases,
 )
+from kernels.grader.prefixes import check_prefixes, prefix_group, prefix_sizes
 from kernels.grader.tasks import Case, Task, kernel_task
 
 NAME = "lab05_batch_invariance"
@@ -117,62 +116,6 @@ def _check_first_variant(case: Case, out) -> str | None:
 # Tasks 2 and 3: a function checked for values and for bitwise invariance in B
 
 
-@dataclass
-class PrefixCase(Case):
-    """One call in a group (`Case.group`): the group's first case is the full batch X; each
-    later one is X[:batch], whose output must equal the first one's [:batch] bit for bit."""
-
-    batch: int | None = None  # None for the full batch
-
-
-def _prefix_group(x, rest, label, expected_fn, dtype, sizes):
-    """The full batch x, then x[:b] for each b in sizes; the label is the group's key (it names
-    the seed, so two groups with one label hold the same data)."""
-    full = PrefixCase(
-        (x, *rest),
-        label=f"{label}, full batch of {x.shape[0]}",
-        expected=expected_fn(x),
-        dtype=dtype,
-        group=label,
-    )
-    return [full] + [
-        PrefixCase(
-            (x[:b], *rest),
-            label=f"{label}, first {b} rows",
-            expected=expected_fn(x[:b]),
-            dtype=dtype,
-            group=label,
-            batch=b,
-        )
-        for b in sizes
-    ]
-
-
-def _prefix_sizes(bmax, rng, extra=()):
-    sizes = {1, 2, 3, bmax - 1, rng.randint(4, bmax - 2), *extra}
-    return sorted(b for b in sizes if 1 <= b < bmax)
-
-
-def check_prefixes(drawn, outputs) -> tuple | None:
-    """(index, problem) of the first f(X[:B]) that is not f(X)[:B] bit for bit, or None. Runs
-    once every output is right, so each is a tensor of the expected shape and dtype."""
-    full = {}
-    for case, out in zip(drawn, outputs, strict=True):
-        if isinstance(case, PrefixCase) and case.batch is None:
-            full[case.group] = out
-    for i, (case, out) in enumerate(zip(drawn, outputs, strict=True)):
-        if not isinstance(case, PrefixCase) or case.batch is None:
-            continue  # a full batch, or a timed case
-        report = InvarianceReport()
-        report.compare(f"B={case.batch}", out, full[case.group][: case.batch])
-        if not report.ok:
-            return i, (
-                f"not batch-invariant: f(X[:{case.batch}]) differs from f(X)[:{case.batch}] "
-                f"(max |diff| {report.max_abs_diff:.3g}, {report.max_ulp} ULP)"
-            )
-    return None
-
-
 MATMUL_SHAPES = ((67, 129, 33), (40, 64, 65))  # (M, K, N), M the largest batch
 MATMUL_PREFIXES = (16, 17, 31, 32, 33, 64, 65)  # block edges of 16, 32 and 64 rows
 
@@ -185,8 +128,8 @@ def _matmul_group(rng, shape, dtype, prefixes=MATMUL_PREFIXES, strided=False):
     kind = " (non-contiguous)" if strided else ""
     label = f"a ({rows}, {k}){kind} @ b ({k}, {n}), {cases.dtype_name(dtype)}, seed {seed}"
     ref = lambda a: matmul_ref(a.double(), b.double())
-    sizes = _prefix_sizes(rows, rng, prefixes)
-    return _prefix_group(a, (b,), label, ref, dtype, sizes)
+    sizes = prefix_sizes(rows, rng, prefixes)
+    return prefix_group(a, (b,), label, ref, dtype, sizes)
 
 
 def _matmul_cases(rng):

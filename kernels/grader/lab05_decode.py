@@ -4,7 +4,7 @@ One decoding step: a single query per (batch, head), q (B, H, D), against a KV c
 (B, H, S, D). The keys are cut into splits of a fixed size at fixed absolute positions; each
 split's partial result (m, l, acc) is computed on its own, then the splits are combined in
 order. References are float64, from the formulas; invariance is bitwise across batch prefixes,
-with `lab05.check_prefixes`, as for the matmul.
+with `prefixes.check_prefixes`, as for the matmul.
 """
 
 import math
@@ -13,6 +13,7 @@ import torch
 
 from kernels import check
 from kernels.grader import cases
+from kernels.grader.prefixes import PrefixCase, prefix_sizes
 from kernels.grader.tasks import Case
 
 MIN_KV_COPY_FRACTION = 0.5
@@ -110,8 +111,6 @@ def check_partials(case: Case, out) -> str | None:
 
 
 def _decode_group(rng, rows, H, S, D, split, dtype, extra_sizes=(), strided=False):
-    from kernels.grader.lab05 import PrefixCase, _prefix_sizes  # lab05 imports this module
-
     q, k, v, seed = _inputs(rng, rows, H, S, D, dtype, strided=strided)
     kind = " non-contiguous" if strided else ""
     label = (
@@ -131,7 +130,7 @@ def _decode_group(rng, rows, H, S, D, split, dtype, extra_sizes=(), strided=Fals
             batch=b,
         )
 
-    return [case(None)] + [case(b) for b in _prefix_sizes(rows, rng, extra_sizes)]
+    return [case(None)] + [case(b) for b in prefix_sizes(rows, rng, extra_sizes)]
 
 
 # (B, H, S, D, split_size): S on either side of a split edge, one split, many splits.
