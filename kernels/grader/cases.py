@@ -175,3 +175,22 @@ def standard(make: Callable, specs, dtypes, rng, *, again, strided_spec, extra=(
         cases += [make(rng, spec, dtype, **options) for spec, options in extra]
         cases.append(make(rng, strided_spec, dtype, strided=True))
     return cases
+
+
+def fp32_tuple_problem(out, expected, names) -> str | None:
+    """What is wrong with `out`, a task's tuple of fp32 tensors named `names` (an online
+    softmax's running state, say), against `expected`: its form, each tensor's shape and
+    dtype, then its values (a reduction's fp32 tolerance). None when it is right."""
+    if not isinstance(out, (list, tuple)) or len(out) != len(names):
+        return f"returned {type(out).__name__}, expected a tuple ({', '.join(names)})"
+    for got, want, name in zip(out, expected, names, strict=True):
+        if not isinstance(got, torch.Tensor):
+            return f"returned {name} as {type(got).__name__}, expected a tensor"
+        if tuple(got.shape) != tuple(want.shape):
+            return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        if got.dtype != torch.float32:
+            return f"returned {name} as {got.dtype}, expected torch.float32"
+        result = check.compare(got, want, op="reduction", dtype=torch.float32)
+        if not result.ok:
+            return f"wrong {name}: {result.message}"
+    return None

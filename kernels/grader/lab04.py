@@ -12,7 +12,6 @@ from functools import partial
 
 import torch
 
-from kernels import check
 from kernels.attention import attention_ref
 from kernels.grader import cases
 from kernels.grader.tasks import Case, Task, kernel_task
@@ -71,18 +70,7 @@ def _online_softmax_cases(rng):
 
 
 def _check_online_softmax(case: Case, out) -> str | None:
-    names = ("m_new", "l_new", "acc_new")
-    if not isinstance(out, (list, tuple)) or len(out) != 3:
-        return f"returned {type(out).__name__}, expected a tuple (m_new, l_new, acc_new)"
-    for got, want, name in zip(out, case.expected, names, strict=True):
-        if not isinstance(got, torch.Tensor):
-            return f"returned {name} as {type(got).__name__}, expected a tensor"
-        if got.dtype != torch.float32:
-            return f"returned {name} as {got.dtype}, expected torch.float32"
-        result = check.compare(got, want, op="reduction", dtype=torch.float32)
-        if not result.ok:
-            return f"wrong {name}: {result.message}"
-    return None
+    return cases.fp32_tuple_problem(out, case.expected, ("m_new", "l_new", "acc_new"))
 
 
 # (B, H, Sq, Sk, D): one query row, odd lengths across the 16-row blocks, Sq < Sk (decoding).

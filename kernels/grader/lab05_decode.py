@@ -11,7 +11,6 @@ import math
 
 import torch
 
-from kernels import check
 from kernels.grader import cases
 from kernels.grader.prefixes import PrefixCase, prefix_sizes
 from kernels.grader.tasks import Case
@@ -91,20 +90,7 @@ def decode_partials_cases(rng):
 
 
 def check_partials(case: Case, out) -> str | None:
-    names = ("m", "l", "acc")
-    if not isinstance(out, (list, tuple)) or len(out) != 3:
-        return f"returned {type(out).__name__}, expected a tuple (m, l, acc)"
-    for got, want, name in zip(out, case.expected, names, strict=True):
-        if not isinstance(got, torch.Tensor):
-            return f"returned {name} as {type(got).__name__}, expected a tensor"
-        if tuple(got.shape) != tuple(want.shape):
-            return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        if got.dtype != torch.float32:
-            return f"returned {name} as {got.dtype}, expected torch.float32"
-        result = check.compare(got, want, op="reduction", dtype=torch.float32)
-        if not result.ok:
-            return f"wrong {name}: {result.message}"
-    return None
+    return cases.fp32_tuple_problem(out, case.expected, ("m", "l", "acc"))
 
 
 # Tasks 4 and 5: the whole step, values, then bitwise across batch prefixes.
