@@ -134,14 +134,19 @@ def record(path, timeout: int = 1800, kernel_name: str = "python3") -> dict:
 # A warning names the file it came from with the machine's own install path; the book needs
 # only the part from "site-packages" on.
 _INSTALL_PREFIX = re.compile(r"(?:/[\w.+-]+)+/(?:site|dist)-packages/")
+# A cell's code as Python names it in a traceback or a compile log: a file of the machine's
+# temporary folder (/tmp/ipykernel_850/1524573934.py), which means nothing on another one.
+_CELL_FILE = re.compile(r"(?:/[\w.+-]+)*/ipykernel_\d+/\d+\.py")
 
 
 def strip_install_paths(nb) -> None:
-    """Shorten install paths in stream outputs (warnings) to `.../site-packages/...`."""
+    """Shorten install paths in stream outputs (warnings) to `.../site-packages/...`, and name
+    a cell's temporary file `<cell>`."""
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             if output.get("output_type") == "stream":
-                output["text"] = _INSTALL_PREFIX.sub(".../site-packages/", output["text"])
+                text = _INSTALL_PREFIX.sub(".../site-packages/", output["text"])
+                output["text"] = _CELL_FILE.sub("<cell>", text)
 
 
 def check_recorded(path) -> str | None:

@@ -109,3 +109,17 @@ def test_recording_shortens_install_paths_in_warnings():
     nb.cells.append(cell)
     strip_install_paths(nb)
     assert cell.outputs[0]["text"] == ".../site-packages/torch/profiler.py:224: UserWarning: w\n"
+
+
+def test_recording_names_a_cells_temporary_file_cell():
+    import nbformat
+
+    from kernels.notebook import strip_install_paths
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("f()")
+    text = "Recompiling function chain_eager in /tmp/ipykernel_850/1524573934.py:9\n"
+    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text=text)]
+    nb.cells.append(cell)
+    strip_install_paths(nb)
+    assert cell.outputs[0]["text"] == "Recompiling function chain_eager in <cell>:9\n"
