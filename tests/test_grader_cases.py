@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels.bench
-from kernels.grader import cases, child, lab05
+from kernels.grader import cases, child, prefixes
 from kernels.grader.labs import LABS
 from kernels.grader.runner import ChildRun
 from kernels.grader.tasks import Case, Task, Timing, evaluate
@@ -164,12 +164,12 @@ def _prefix_cases():
     x = torch.arange(12.0).reshape(4, 3)
     drawn, outputs = [], []
     for group in ("g1", "g2"):
-        drawn.append(lab05.PrefixCase((x,), f"{group} full", group=group))
+        drawn.append(prefixes.PrefixCase((x,), f"{group} full", group=group))
         outputs.append(x * 2)
         for b in (1, 3):
-            drawn.append(lab05.PrefixCase((x[:b],), f"{group} first {b}", group=group, batch=b))
+            drawn.append(prefixes.PrefixCase((x[:b],), f"{group} first {b}", group=group, batch=b))
             outputs.append(x[:b] * 2)
-    return lab05.check_prefixes, drawn, outputs
+    return prefixes.check_prefixes, drawn, outputs
 
 
 def test_the_prefix_check_does_not_depend_on_the_order_of_the_cases():
