@@ -8,6 +8,8 @@ once (plus w, b and one or two fp32 numbers per row, kept for the backward). add
 fuses a transformer's residual add into the same kernel: h = x + residual, y = rms_norm(h).
 Backward (kernels.norm_backward): x_hat is recomputed from x and the saved rstd (and mean),
 never stored. Launch choices and profiler metadata: kernels.norm_tuning.
+Rows longer than MAX_COLS (65536) do not fit in registers: rms_norm and layer_norm send them,
+forward and backward, to kernels.norm_long, which walks each row in chunks, in two passes.
 """
 
 import math
@@ -219,8 +221,9 @@ one_output("add_rms_norm", add_rms_norm_forward, n_outputs=2)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading dims), scaled by `weight`; fp32 inside,
-    output in x's dtype. Differentiable in x and weight (backward in Triton). The operator
-    torch.ops.brrr.rms_norm."""
+    output in x's dtype. Differentiable in x and weight (backward in Triton). Rows of any
+    length: past MAX_COLS columns the chunked kernels of kernels.norm_long, which read x
+    twice. The operator torch.ops.brrr.rms_norm."""
     _check(x, eps, weight=weight)
     if through_operator(x, weight):
         return rms_norm_forward(x, weight, float(eps))[0]
@@ -232,7 +235,8 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm over the last dim of `x` (any leading dims), then `* weight + bias`; fp32
     inside, output in x's dtype. Differentiable in x, weight and bias (backward in Triton).
-    The operator torch.ops.brrr.layer_norm."""
+    Rows of any length: past MAX_COLS columns the chunked kernels of kernels.norm_long
+    (Welford's variance), which read x twice. The operator torch.ops.brrr.layer_norm."""
     _check(x, eps, weight=weight, bias=bias)
     if through_operator(x, weight, bias):
         return layer_norm_forward(x, weight, bias, float(eps))[0]
@@ -246,7 +250,8 @@ def add_rms_norm(
     rms_norm(h, weight, eps), from one kernel: it reads x and residual once and writes h and
     y: 4 passes over the rows, where add then rms_norm take 3 + 2. The residual stream
     of a transformer: h goes on to the next block, y into this one's attention or MLP.
-    Differentiable in x, residual and weight. The operator torch.ops.brrr.add_rms_norm."""
+    Differentiable in x, residual and weight. Rows up to MAX_COLS columns (a ValueError
+    past it). The operator torch.ops.brrr.add_rms_norm."""
     _check(x, eps, weight=weight)
     check_tensor("residual", residual)
     check_same("x and residual", x, residual)
