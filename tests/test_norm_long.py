@@ -76,6 +76,14 @@ def test_chunked_non_contiguous_inputs(op, long_rows):
         p = [check.random_tensor(x.shape[-1:], seed=55 + i) for i in range(n_params)]
         dy = check.random_tensor(x.shape, seed=58).transpose(0, -1).contiguous().transpose(0, -1)
         _check_against_fp64(op, x, p, dy)
+    # y.sum().backward() hands the backward an expanded gradient: all strides 0
+    kernel, reference, _ = OPS[op]
+    params = [check.random_tensor((600,), seed=62 + i) for i in range(n_params)]
+    x = base.clone().requires_grad_()
+    kernel(x, *params).sum().backward()
+    x64 = base.double().requires_grad_()
+    reference(x64, *[q.double() for q in params]).sum().backward()
+    check.assert_close(x.grad, x64.grad, op="reduction")
 
 
 def test_layer_norm_variance_does_not_cancel(long_rows):
@@ -97,6 +105,23 @@ def test_a_real_row_past_65536_columns(op):
     assert norm_long.LONG_ROW_COLS == MAX_COLS == 65536
     x, params, dy = _inputs((2, 70001), torch.float32, OPS[op][2], seed=57)
     _check_against_fp64(op, x, params, dy)
+
+
+def test_the_operators_pass_opcheck_on_the_chunked_path(long_rows):
+    # the same operators, their implementation branching: schema, fake kernel and autograd
+    x, (w, b), dy = _inputs((3, 300), torch.float32, 2, seed=61)
+    _, rstd = norm_module.rms_norm_forward(x, w, 1e-6)
+    _, mean, lrstd = norm_module.layer_norm_forward(x, w, b, 1e-5)
+    grad = [t.clone().requires_grad_() for t in (x, w, b)]
+    cases = {
+        "rms_norm_forward": (grad[0], grad[1], 1e-6),
+        "layer_norm_forward": (*grad, 1e-5),
+        "rms_norm_backward": (dy, x, w, rstd),
+        "layer_norm_backward": (dy, x, w, mean, lrstd),
+    }
+    for name, args in cases.items():
+        results = torch.library.opcheck(getattr(torch.ops.brrr, name).default, args)
+        assert set(results.values()) == {"SUCCESS"}, (name, results)
 
 
 def test_add_rms_norm_keeps_its_limit():
