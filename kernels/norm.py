@@ -8,6 +8,8 @@ once (plus w, b and one or two fp32 numbers per row, kept for the backward). add
 fuses a transformer's residual add into the same kernel: h = x + residual, y = rms_norm(h).
 Backward (kernels.norm_backward): x_hat is recomputed from x and the saved rstd (and mean),
 never stored. Launch choices and profiler metadata: kernels.norm_tuning.
+Rows longer than MAX_COLS (65536) do not fit in registers: rms_norm and layer_norm send them,
+forward and backward, to kernels.norm_long, which walks each row in chunks, in two passes.
 """
 
 import math
@@ -16,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import norm_long
 from kernels.launch import launch
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
@@ -23,7 +26,9 @@ from kernels.norm_tuning import as_rows, launch_metadata, num_warps
 from kernels.operators import one_output, operator, through_operator
 from kernels.validate import check_row_vector, check_same, check_tensor
 
-MAX_COLS = 65536  # rows are kept whole in registers; longer ones would need a loop
+# Rows up to MAX_COLS are kept whole in registers (the kernels below); longer rows take
+# kernels.norm_long's chunked kernels (rms_norm, layer_norm; add_rms_norm refuses them).
+MAX_COLS = norm_long.LONG_ROW_COLS
 
 
 @triton.jit(launch_metadata=launch_metadata)
@@ -80,8 +85,6 @@ def _check(x, eps, **params):
     check_tensor("x", x, min_ndim=1)
     for name, p in params.items():
         check_row_vector(name, p, x)
-    if x.shape[-1] > MAX_COLS:
-        raise ValueError(f"rows longer than {MAX_COLS} are not supported, got {tuple(x.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     # comparisons, not math.isfinite: under torch.compile(dynamic=True) eps may be symbolic
@@ -97,7 +100,9 @@ def _forward(x, weight, bias, eps, residual=None):
     h = None if residual is None else torch.empty_like(y)
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     mean = None if bias is None else torch.empty_like(rstd)  # RMSNorm has no mean
-    if x.numel():
+    if x.numel() and residual is None and x2.shape[1] > norm_long.LONG_ROW_COLS:
+        norm_long.forward(x2, weight, bias, eps, y.view(x2.shape), mean, rstd)
+    elif x.numel():
         n_rows, n_cols = x2.shape
         block = triton.next_power_of_2(n_cols)
         common = dict(BLOCK=block, num_warps=num_warps(block, 32))
@@ -216,8 +221,9 @@ one_output("add_rms_norm", add_rms_norm_forward, n_outputs=2)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading dims), scaled by `weight`; fp32 inside,
-    output in x's dtype. Differentiable in x and weight (backward in Triton). The operator
-    torch.ops.brrr.rms_norm."""
+    output in x's dtype. Differentiable in x and weight (backward in Triton). Rows of any
+    length: past MAX_COLS columns the chunked kernels of kernels.norm_long, which read x
+    twice. The operator torch.ops.brrr.rms_norm."""
     _check(x, eps, weight=weight)
     if through_operator(x, weight):
         return rms_norm_forward(x, weight, float(eps))[0]
@@ -229,7 +235,8 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm over the last dim of `x` (any leading dims), then `* weight + bias`; fp32
     inside, output in x's dtype. Differentiable in x, weight and bias (backward in Triton).
-    The operator torch.ops.brrr.layer_norm."""
+    Rows of any length: past MAX_COLS columns the chunked kernels of kernels.norm_long
+    (Welford's variance), which read x twice. The operator torch.ops.brrr.layer_norm."""
     _check(x, eps, weight=weight, bias=bias)
     if through_operator(x, weight, bias):
         return layer_norm_forward(x, weight, bias, float(eps))[0]
@@ -243,10 +250,16 @@ def add_rms_norm(
     rms_norm(h, weight, eps), from one kernel: it reads x and residual once and writes h and
     y: 4 passes over the rows, where add then rms_norm take 3 + 2. The residual stream
     of a transformer: h goes on to the next block, y into this one's attention or MLP.
-    Differentiable in x, residual and weight. The operator torch.ops.brrr.add_rms_norm."""
+    Differentiable in x, residual and weight. Rows up to MAX_COLS columns (a ValueError
+    past it). The operator torch.ops.brrr.add_rms_norm."""
     _check(x, eps, weight=weight)
     check_tensor("residual", residual)
     check_same("x and residual", x, residual)
+    if x.shape[-1] > MAX_COLS:  # its kernel holds h, x and the residual's row in registers
+        raise ValueError(
+            f"add_rms_norm supports rows up to {MAX_COLS} columns, got {tuple(x.shape)}: "
+            "call rms_norm(x + residual, weight, eps), which has a long-row path"
+        )
     if through_operator(x, residual, weight):
         y, h, _ = add_rms_norm_forward(x, residual, weight, float(eps))
         return y, h

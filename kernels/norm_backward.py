@@ -7,13 +7,15 @@ g = dy * w:
   dw = sum over rows of dy * x_hat, db = sum over rows of dy.
 dw and db are sums over all rows: each program takes a contiguous chunk of rows and writes
 its own fp32 partial sums; a second kernel adds the partials in a fixed order. No atomics:
-the result is the same bits on every run.
+the result is the same bits on every run. Rows longer than norm_long.LONG_ROW_COLS take
+kernels.norm_long's chunked backward, whose partials the same second kernel adds.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import norm_long
 from kernels.launch import launch
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps, programs
 from kernels.operators import operator
@@ -93,6 +95,14 @@ def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
     dy2 = as_rows(dy)
     rows_per_program = triton.cdiv(n_rows, programs(n_rows, x2.device))
     n_programs = triton.cdiv(n_rows, rows_per_program)
+    if n_cols > norm_long.LONG_ROW_COLS:
+        dw_part, db_part = norm_long.backward(
+            dy2, x2, weight, mean, rstd, dx, n_programs, rows_per_program, layer_norm
+        )
+        for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
+            grid, sizes = (triton.cdiv(n_cols, 128),), dict(BLOCK_P=32, BLOCK_N=128)
+            launch(sum_partials_kernel, grid, part, out, n_programs, n_cols, **sizes)
+        return dx, dw, db
     dw_part = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
     db_part = torch.empty_like(dw_part) if layer_norm else dw_part  # unused by RMSNorm
     block = triton.next_power_of_2(n_cols)
