@@ -177,10 +177,10 @@ def standard(make: Callable, specs, dtypes, rng, *, again, strided_spec, extra=(
     return cases
 
 
-def fp32_tuple_problem(out, expected, names) -> str | None:
+def fp32_tuple_problem(out, expected, names, op: str = "reduction") -> str | None:
     """What is wrong with `out`, a task's tuple of fp32 tensors named `names` (an online
     softmax's running state, say), against `expected`: its form, each tensor's shape and
-    dtype, then its values (a reduction's fp32 tolerance). None when it is right."""
+    dtype, then its values (the fp32 tolerance of the op class `op`). None when it is right."""
     if not isinstance(out, (list, tuple)) or len(out) != len(names):
         return f"returned {type(out).__name__}, expected a tuple ({', '.join(names)})"
     for got, want, name in zip(out, expected, names, strict=True):
@@ -190,7 +190,7 @@ def fp32_tuple_problem(out, expected, names) -> str | None:
             return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(want.shape)}"
         if got.dtype != torch.float32:
             return f"returned {name} as {got.dtype}, expected torch.float32"
-        result = check.compare(got, want, op="reduction", dtype=torch.float32)
+        result = check.compare(got, want, op=op, dtype=torch.float32)
         if not result.ok:
             return f"wrong {name}: {result.message}"
     return None

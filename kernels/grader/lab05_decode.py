@@ -90,7 +90,9 @@ def decode_partials_cases(rng):
 
 
 def check_partials(case: Case, out) -> str | None:
-    return cases.fp32_tuple_problem(out, case.expected, ("m", "l", "acc"))
+    # attention's fp32 tolerance: the scores reach about 100 in one case, where an fp32 dot
+    # product's rounding (about 1e-4 of a score) moves exp(s - m) by as much, relatively
+    return cases.fp32_tuple_problem(out, case.expected, ("m", "l", "acc"), op="attention")
 
 
 # Tasks 4 and 5: the whole step, values, then bitwise across batch prefixes.
