@@ -64,3 +64,24 @@ def grade_cases(solution: Path, folder: Path, cases: dict, tasks, **options) -> 
     found = grade_submissions(solution, paths, tasks, **options)
     assert set(found) == set(cases)
     return found
+
+
+def reports_by_group(tmp_path_factory, solution: Path, cases: dict, groups, **options) -> dict:
+    """{bad submission: {task: its report}} for cases {name: (task, function, edits, ...)}, one
+    grader run per group of tasks (the cases of the group's tasks, in a folder of their own)."""
+    found = {}
+    for tasks in groups:
+        group = {name: in_function(*spec[1:3]) for name, spec in cases.items() if spec[0] in tasks}
+        folder = tmp_path_factory.mktemp(tasks[0])
+        found.update(grade_cases(solution, folder, group, tasks, **options))
+    assert set(found) == set(cases)
+    return found
+
+
+def assert_fails_with(found: dict, fragments) -> None:
+    """A task's report: failed with no points, its message holding each fragment, and the
+    submission's own fault (not the grader's)."""
+    assert found["status"] == "failed" and found["points"] == 0, found
+    for fragment in fragments:
+        assert fragment in found["message"], (fragment, found["message"])
+    assert "grader error" not in found["message"]

@@ -9,7 +9,7 @@ time limit, so the file stays within about a minute on two cores.
 from pathlib import Path
 
 import pytest
-from bad_submissions import grade_cases
+from bad_submissions import assert_fails_with, grade_cases
 
 from kernels.runtime import ON_GPU
 
@@ -98,11 +98,7 @@ KERNEL_EXPECTED = {
 
 @pytest.mark.parametrize("name", sorted(KERNEL_CASES))
 def test_each_broken_matmul_fails_with_its_own_message(kernel_batch, name):
-    found = kernel_batch[name]["tiled_matmul"]
-    assert found["status"] == "failed" and found["points"] == 0, found
-    for fragment in KERNEL_EXPECTED[name]:
-        assert fragment in found["message"], (fragment, found["message"])
-    assert "grader error" not in found["message"]
+    assert_fails_with(kernel_batch[name]["tiled_matmul"], KERNEL_EXPECTED[name])
 
 
 def test_a_bias_on_the_wrong_axis_fails_the_epilogue_only(epilogue_batch):

@@ -97,29 +97,27 @@ def test_code_hash_ignores_markdown_and_outputs(tmp_path):
     assert notebook.code_hash(nb) == before
 
 
-def test_recording_shortens_install_paths_in_warnings():
-    import nbformat
-
-    from kernels.notebook import strip_install_paths
-
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("import warnings")
-    text = "/opt/x/.venv/lib/python3.12/site-packages/torch/profiler.py:224: UserWarning: w\n"
-    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text=text)]
-    nb.cells.append(cell)
-    strip_install_paths(nb)
-    assert cell.outputs[0]["text"] == ".../site-packages/torch/profiler.py:224: UserWarning: w\n"
-
-
-def test_recording_names_a_cells_temporary_file_cell():
+@pytest.mark.parametrize(
+    "text, shown",
+    [  # an install path in a warning; a cell's temporary file in a compile log
+        (
+            "/opt/x/.venv/lib/python3.12/site-packages/torch/profiler.py:224: UserWarning: w\n",
+            ".../site-packages/torch/profiler.py:224: UserWarning: w\n",
+        ),
+        (
+            "Recompiling function chain_eager in /tmp/ipykernel_850/1524573934.py:9\n",
+            "Recompiling function chain_eager in <cell>:9\n",
+        ),
+    ],
+)
+def test_recording_strips_machine_paths_from_outputs(text, shown):
     import nbformat
 
     from kernels.notebook import strip_install_paths
 
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("f()")
-    text = "Recompiling function chain_eager in /tmp/ipykernel_850/1524573934.py:9\n"
     cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text=text)]
     nb.cells.append(cell)
     strip_install_paths(nb)
-    assert cell.outputs[0]["text"] == "Recompiling function chain_eager in <cell>:9\n"
+    assert cell.outputs[0]["text"] == shown
