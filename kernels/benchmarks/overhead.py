@@ -155,20 +155,26 @@ def matmul_ladder(n: int = 1024) -> dict:
     return {"op": "matmul", "n": f"{n}^3", "dtype": "bf16", "tma": tma, "rungs": rungs}
 
 
+def _host_row(name: str, us: float, baseline: str, baseline_us: float) -> dict:
+    """A benchmark row of host time per call; host time has no roof, so it is read against
+    its baseline (torch's own op or block) alone."""
+    return {
+        "name": name,
+        "ms": us / 1000,
+        "unit": "us/call",
+        "rate": us,
+        "pct_of_ceiling": None,
+        "baselines": {baseline: baseline_us / 1000},
+    }
+
+
 def rows(result: dict) -> list:
     """A ladder as benchmark rows: host us per call, each against torch's eager op."""
     op = f"{result['op']} {result['dtype']} n={result['n']}"
-    rungs = result["rungs"]
+    torch_us = result["rungs"]["torch eager"]
     return [
-        {
-            "name": f"overhead {op}: {rung}",
-            "ms": us / 1000,
-            "unit": "us/call",
-            "rate": us,
-            "pct_of_ceiling": None,  # host time has no roof: its baseline is torch's own op
-            "baselines": {"torch eager": rungs["torch eager"] / 1000},
-        }
-        for rung, us in rungs.items()
+        _host_row(f"overhead {op}: {rung}", us, "torch eager", torch_us)
+        for rung, us in result["rungs"].items()
     ]
 
 
@@ -187,12 +193,8 @@ def block_rows(result: dict) -> list:
     for kind in ("host_us", "wall_us"):
         for label, us in result[kind].items():
             name, mode = label.split(" ", 1)
-            torch_us = result[kind][f"torch {mode}"]
-            out.append({
-                "name": f"overhead block {shape} {name} {mode}: {kind}",
-                "ms": us / 1000, "unit": "us/call", "rate": us, "pct_of_ceiling": None,
-                "baselines": {f"torch {mode}": torch_us / 1000},
-            })  # fmt: skip
+            row_name = f"overhead block {shape} {name} {mode}: {kind}"
+            out.append(_host_row(row_name, us, f"torch {mode}", result[kind][f"torch {mode}"]))
     return out
 
 
