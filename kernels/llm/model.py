@@ -75,6 +75,9 @@ class Block(nn.Module):
         self.w_gate = nn.Linear(c.d_model, c.d_ff, bias=False)
         self.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
         self.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
+        # Tensor parallelism (kernels.distributed.tp): a rank holding some of the heads and
+        # some of the MLP's width sums its partial outputs of wo and w_down with the others'
+        self.reduce = None
 
     def forward(self, x, delta, cos, sin, backend, cache=None):
         """(x, delta) (B, S, D) each -> the next (x, delta): the residual stream is x + delta,
@@ -115,11 +118,14 @@ class Block(nn.Module):
                     keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
                 y = ops.attention(q, keys, values, kv_lens, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
-        h, x = ops.add_rms_norm(project(y, self.wo, backend), x, self.mlp_norm.weight,
-                                c.norm_eps, backend)  # fmt: skip
+        attended = self._reduced(project(y, self.wo, backend))
+        h, x = ops.add_rms_norm(attended, x, self.mlp_norm.weight, c.norm_eps, backend)
         gate = project(h, self.w_gate, backend)  # (B, S, F)
         up = project(h, self.w_up, backend)
-        return x, project(F.silu(gate) * up, self.w_down, backend)  # SwiGLU
+        return x, self._reduced(project(F.silu(gate) * up, self.w_down, backend))  # SwiGLU
+
+    def _reduced(self, partial):
+        return partial if self.reduce is None else self.reduce(partial)
 
 
 class Transformer(nn.Module):

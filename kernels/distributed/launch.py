@@ -1,0 +1,149 @@
+"""Start one process per rank, join them into a process group, collect what each returns.
+
+    results = run_ranks(fn, 2, x)   # fn(rank, world_size, x) in 2 processes; [fn's value per rank]
+
+gloo on a CPU, NCCL on GPUs (rank r on GPU r). The processes are started with
+torch.multiprocessing ("spawn" by default: a fresh interpreter that imports `fn` by its module
+and name, so `fn` must live in a file; "fork" copies this process, so any function works, on a
+CPU only). Each rank leaves the group and ends by itself; one that raises, hangs or dies is
+reported as a RankError naming the rank, with its traceback; stragglers past `timeout_s` are
+ended.
+"""
+
+import datetime
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or ran past its time; `rank` names it, `details` holds its traceback."""
+
+    def __init__(self, rank: int, details: str):
+        super().__init__(f"rank {rank} failed:\n{details}")
+        self.rank, self.details = rank, details
+
+
+def backend_for(device: str) -> str:
+    """'nccl' for CUDA ranks, 'gloo' for CPU ranks."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: rank 0 serves the group's rendezvous there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(value) -> bytes:
+    # through bytes, not shared memory: a rank may end before the parent reads its tensors
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cpu":
+        torch.set_num_threads(1)  # two ranks on a small CPU: no OpenMP threads spinning
+    else:
+        torch.cuda.set_device(rank)
+    try:
+        dist.init_process_group(
+            backend_for(device),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", _dumps(value)))
+    except BaseException:  # reported to the parent, whatever it was
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float = 60.0,
+              start_method: str = "spawn") -> list:  # fmt: skip
+    """[fn(rank, world_size, *args) for each rank], each in its own process of one group."""
+    if not callable(fn):
+        raise TypeError(f"run_ranks needs a function first, got {type(fn).__name__}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    backend_for(device)
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"{world_size} CUDA ranks need {world_size} GPUs; this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    if start_method == "spawn":
+        _check_importable(fn)
+    context = mp.get_context(start_method)
+    results = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_rank_main, daemon=True,
+                        args=(r, world_size, device, port, timeout_s, fn, args, results))
+        for r in range(world_size)
+    ]  # fmt: skip
+    for p in procs:
+        p.start()
+    return _collect(procs, results, timeout_s)
+
+
+def _check_importable(fn):
+    where = getattr(fn, "__module__", None)
+    if where == "__main__" or "<locals>" in getattr(fn, "__qualname__", "<locals>"):
+        raise ValueError(
+            f"{getattr(fn, '__qualname__', fn)!r} cannot be imported by a spawned process (it is "
+            "defined in a notebook, a script or another function): put it at the top level of "
+            "a module; start_method='fork' runs any function, on a CPU"
+        )
+
+
+def _next(results):
+    try:
+        return results.get(timeout=0.2)
+    except queue.Empty:
+        return None
+
+
+def _collect(procs, results, timeout_s) -> list:
+    values, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(values) < len(procs):
+            message = _next(results)
+            if message is None:
+                for rank, p in enumerate(procs):
+                    if rank not in values and not p.is_alive() and p.exitcode not in (0, None):
+                        raise RankError(rank, f"its process died (exit code {p.exitcode})")
+                if time.monotonic() > deadline:
+                    late = [r for r in range(len(procs)) if r not in values]
+                    raise RankError(late[0], f"still running after {timeout_s:g} s (ranks "
+                                    f"{late} had not returned)")  # fmt: skip
+                continue
+            rank, status, payload = message
+            if status == "error":
+                raise RankError(rank, payload)
+            values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [values[r] for r in range(len(procs))]
+    finally:
+        for p in procs:  # only the processes started here: a failure ends the others
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
