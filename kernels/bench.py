@@ -42,6 +42,8 @@ __all__ = [
     "achieved_gbps",
     "achieved_tflops",
     "measure_or_recorded",
+    "measure_or_note",
+    "gpu_count",
     "recorded",
     "record",
     "RooflinePoint",
@@ -361,26 +363,47 @@ def describe(meta: dict) -> str:
     )
 
 
-def measure_or_recorded(chapter: str, key: str, measure):
-    """On a GPU, run `measure()` and record its (JSON-able) result; on a CPU, return the result
-    recorded on the course's reference GPU. Says which, and where the numbers come from."""
-    if ON_GPU:
+def gpu_count() -> int:
+    """GPUs this process can use (0 on a CPU)."""
+    return torch.cuda.device_count() if ON_GPU else 0
+
+
+def measure_or_recorded(chapter: str, key: str, measure, gpus: int = 1):
+    """On a machine with at least `gpus` GPUs, run `measure()` and record its (JSON-able)
+    result; elsewhere, return the result recorded on the course's reference GPU. Says which,
+    and where the numbers come from."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    if gpu_count() >= gpus:
         value = measure()
         record(chapter, key, value)
         today = datetime.date.today().isoformat()  # a date, not "today": the book is static
-        print(f"[{key}] measured now on {describe({**versions(), 'date': today})}")
+        on = f" on {gpus} GPUs" if gpus > 1 else ""
+        print(f"[{key}] measured now{on} on {describe({**versions(), 'date': today})}")
         return value
     value, meta = recorded(chapter, key)
-    print(f"[{key}] no GPU here: showing the results recorded on {describe(meta)}")
+    print(f"[{key}] {_why_not_measured(gpus)}: showing the results recorded on {describe(meta)}")
     return value
 
 
-def measure_or_note(chapter: str, key: str, measure):
-    """measure_or_recorded, or None with a printed note on a CPU where the course's recorded GPU
-    run does not hold `key` yet (a section newer than the chapter's last GPU recording)."""
+def _why_not_measured(gpus: int) -> str:
+    if not ON_GPU:
+        return "no GPU here"
+    return f"this needs {gpus} GPUs and this machine has {gpu_count()}"
+
+
+def measure_or_note(chapter: str, key: str, measure, gpus: int = 1):
+    """measure_or_recorded, or None with a printed note where the course's recorded GPU run
+    does not hold `key` yet (a section newer than the chapter's last GPU recording, or one that
+    needs more GPUs than any recording had)."""
     try:
-        return measure_or_recorded(chapter, key, measure)
+        return measure_or_recorded(chapter, key, measure, gpus)
     except (KeyError, FileNotFoundError):  # a key, or the whole chapter, not recorded yet
-        print(f"[{key}] not in the recorded H200 run yet: it shows here once the chapter is next "
-              "recorded on a GPU")  # fmt: skip
+        if gpus > 1:
+            why = _why_not_measured(gpus)
+            print(f"[{key}] not recorded yet on {gpus} GPUs ({why}): it shows here once the "
+                  f"chapter is recorded on a machine with {gpus} GPUs")  # fmt: skip
+        else:
+            print(f"[{key}] not in the recorded H200 run yet: it shows here once the chapter is "
+                  "next recorded on a GPU")  # fmt: skip
         return None

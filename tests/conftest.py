@@ -1,11 +1,23 @@
 import pytest
+import torch
 
 import kernels  # noqa: F401  (fixes the mode before any kernel module is imported)
 from kernels.runtime import ON_GPU
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "two_gpus: needs 2 CUDA GPUs (NCCL); skipped on fewer")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: checked on GPU (make gpu-record)")
+    gpus = torch.cuda.device_count() if ON_GPU else 0
+    skip_two = pytest.mark.skip(
+        reason=f"needs 2 CUDA GPUs, this machine has {gpus}: checked on a 2-GPU machine "
+        "(make gpu-record)"
+    )
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)
+        if "two_gpus" in item.keywords and gpus < 2:
+            item.add_marker(skip_two)

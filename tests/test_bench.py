@@ -357,3 +357,26 @@ def test_the_launch_ladder_has_every_rung_and_the_cached_launch_is_lighter():
     # the point of kernels.launch: the same kernel for less host time than kernel[grid]
     assert rungs["cached compiled-kernel launch alone"] < rungs["Triton kernel[grid] alone"]
     assert len(overhead.rows(result)) == len(rungs)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU path")
+def test_a_two_gpu_measurement_is_read_or_noted_on_a_cpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "DATA_DIR", tmp_path)
+    calls = []
+    assert bench.measure_or_note("07_demo", "k", lambda: calls.append(1), gpus=2) is None
+    assert "not recorded yet on 2 GPUs (no GPU here)" in capsys.readouterr().out
+    meta = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-02"}
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "07_demo.json").write_text(json.dumps({"meta": meta, "results": {"k": 7}}))
+    assert bench.measure_or_note("07_demo", "k", lambda: calls.append(1), gpus=2) == 7
+    assert not calls and "recorded on NVIDIA H200" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="gpus must be a positive int"):
+        bench.measure_or_recorded("07_demo", "k", lambda: 1, gpus=0)
+
+
+@pytest.mark.gpu
+def test_a_measurement_needing_more_gpus_than_the_machine_has_is_not_run(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "gpu_count", lambda: 1)
+    result = bench.measure_or_note("07_no_such_chapter", "k", lambda: pytest.fail("ran"), gpus=2)
+    assert result is None
+    assert "this needs 2 GPUs and this machine has 1" in capsys.readouterr().out
