@@ -15,6 +15,7 @@ import io
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 
@@ -52,7 +53,18 @@ def _dumps(value) -> bytes:
     return buffer.getvalue()
 
 
-def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results):
+def _end_with_parent(parent: int) -> None:
+    # a rank whose launcher is gone (killed, interrupted) ends too, whatever fn is doing
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results, parent):
+    _end_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cpu":
         torch.set_num_threads(1)  # two ranks on a small CPU: no OpenMP threads spinning
@@ -94,11 +106,11 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
     context = mp.get_context(start_method)
     results = context.Queue()
     port = free_port()
+    common = (device, port, timeout_s, fn, args, results, os.getpid())
     procs = [
-        context.Process(target=_rank_main, daemon=True,
-                        args=(r, world_size, device, port, timeout_s, fn, args, results))
+        context.Process(target=_rank_main, daemon=True, args=(r, world_size, *common))
         for r in range(world_size)
-    ]  # fmt: skip
+    ]
     for p in procs:
         p.start()
     return _collect(procs, results, timeout_s)

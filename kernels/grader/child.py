@@ -220,6 +220,10 @@ def run_case(fn, case, job, observer) -> dict:
     from kernels.check import poisoned_allocations
     from kernels.runtime import DEVICE, ON_GPU
 
+    if case.get("action") in ("ranks", "ranks_time"):  # the learner's function on each rank
+        from kernels.grader import ranks
+
+        return ranks.run_case(job, case, job.get("hard_limit_s", 600))
     args = [_materialize(a, DEVICE) for a in case["args"]]
     kwargs = {k: _materialize(v, DEVICE) for k, v in case.get("kwargs", {}).items()}
     if case.get("action") == "time":
@@ -296,6 +300,7 @@ def main(jobdir: Path) -> None:
     except BaseException as exc:  # anything the learner's module does while loading
         result["error"] = describe(exc, job["module"], "load")
         cases = []
+    job["cases"] = cases  # a task run on several ranks runs all its cases at once
     for i, case in enumerate(cases):
         mark(f"case {i}")
         try:

@@ -50,10 +50,17 @@ def tasks_to_grade(lab: str, only) -> list:
     return [task for task in tasks if not only or task.name in only]
 
 
+def gpu_count() -> int:
+    return torch.cuda.device_count() if ON_GPU else 0
+
+
 def precheck(task, notebook) -> Outcome | None:
     """A verdict that needs no child process, or None."""
     if task.needs_gpu and not ON_GPU:
         return Outcome("needs_gpu", 0, "checked on a GPU; this machine has none")
+    if task.gpus > gpu_count():
+        return Outcome("needs_gpu", 0, f"checked on {task.gpus} GPUs; this machine has "
+                       f"{gpu_count()}")  # fmt: skip
     found, where = notebook.analysis, notebook.submission.where
     if found.problems:
         more = f" (and {len(found.problems) - 1} more)" if len(found.problems) > 1 else ""

@@ -44,7 +44,8 @@ class Case:
     expected: object = None  # the reference, computed by the grader; never sent to the child
     dtype: torch.dtype | None = None  # the output's expected dtype
     kwargs: dict = field(default_factory=dict)
-    action: str = "call"  # or "time": the child times the call, and torch's `timed_against`
+    action: str = "call"  # or "time": the child times the call, and torch's `timed_against`;
+    # "ranks" / "ranks_time": the call on each of two ranks (kernels.grader.ranks)
     timed_against: str = "copy"  # torch's op timed beside it: "copy" (of args[0]) or "matmul"
     baseline: torch.Tensor | None = None  # torch's own result in the inputs' dtype, if compared
     check: Callable | None = None  # this case's own check (a timed case's), else the task's
@@ -98,6 +99,7 @@ class Task:
     forbidden_reasons: dict = field(default_factory=dict, hash=False, compare=False)
     poison: bool = False  # allocations are NaN-filled during the call
     needs_gpu: bool = False
+    gpus: int = 0  # GPUs the task needs (2 for a tensor-parallel timing); fewer: not graded here
     exclusive: bool = False  # runs alone (timing)
     time_limit: float = 60.0
 
@@ -184,7 +186,7 @@ def _tensor_problem(task: Task, case: Case, out) -> tuple | None:
 def _case_problem(task: Task, cases, reports, outputs, i) -> tuple | None:
     case, got, out = cases[i], reports[i], outputs[i]
     check_case = case.check or task.check
-    if case.action == "time":
+    if case.action in ("time", "ranks_time"):
         problem = check_case(case, Timing.read(got.get("timing")))
         return (problem, task.hint) if problem else None
     ops = set(got.get("ops", []))
