@@ -28,7 +28,8 @@ class RankError(RuntimeError):
     """A rank raised, died or ran past its time; `rank` names it, `details` holds its traceback."""
 
     def __init__(self, rank: int, details: str):
-        super().__init__(f"rank {rank} failed:\n{details}")
+        last = details.strip().splitlines()[-1] if details.strip() else "no details"
+        super().__init__(f"rank {rank} failed: {last}\n{details}")
         self.rank, self.details = rank, details
 
 
