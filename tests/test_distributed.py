@@ -59,8 +59,8 @@ def test_a_rank_that_raises_is_named_with_its_traceback():
 
 def test_a_rank_past_its_time_is_named_and_ended():
     start = time.monotonic()
-    with pytest.raises(RankError, match="still running after 6 s") as info:
-        run_ranks(hangs_on_rank_one, 2, timeout_s=6)
+    with pytest.raises(RankError, match="still running after 3 s") as info:
+        run_ranks(hangs_on_rank_one, 2, timeout_s=3)
     assert info.value.rank == 1 and time.monotonic() - start < TIMEOUT
     assert no_process_left()
 
@@ -81,7 +81,7 @@ def test_fork_runs_a_function_defined_anywhere():
         (lambda: run_ranks(42, 2), TypeError, "needs a function"),
         (lambda: run_ranks(sum_of_ranks, 0, 1), ValueError, "world_size must be a positive"),
         (lambda: run_ranks(sum_of_ranks, 2, 1, device="tpu"), ValueError, "'cpu' or 'cuda'"),
-        (lambda: run_ranks(lambda r, w: r, 2), ValueError, "cannot be imported by a spawned"),
+        (lambda: run_ranks(lambda r, w: r, 2), ValueError, "cannot be imported by a rank"),
     ],
     ids=["not-callable", "world-0", "device", "lambda-spawn"],
 )

@@ -3,11 +3,15 @@
     results = run_ranks(fn, 2, x)   # fn(rank, world_size, x) in 2 processes; [fn's value per rank]
 
 gloo on a CPU, NCCL on GPUs (rank r on GPU r). The processes are started with
-torch.multiprocessing ("spawn" by default: a fresh interpreter that imports `fn` by its module
-and name, so `fn` must live in a file; "fork" copies this process, so any function works, on a
-CPU only). Each rank leaves the group and ends by itself; one that raises, hangs or dies is
-reported as a RankError naming the rank, with its traceback; stragglers past `timeout_s` are
-ended.
+torch.multiprocessing. By default each rank is forked from a "forkserver": a fresh interpreter,
+started once, that has imported torch and the course (a rank then starts in a fraction of a
+second instead of importing torch again) and has never touched CUDA; like "spawn", it imports
+`fn` by its module and name, so `fn` must live in a file. "fork" copies this process, so any
+function works, on a CPU only (a process that has used CUDA cannot be forked).
+
+Each rank leaves the group and ends by itself (and ends when its launcher is gone); one that
+raises, hangs or dies is reported as a RankError naming the rank, with its traceback;
+stragglers past `timeout_s` are ended.
 """
 
 import datetime
@@ -54,8 +58,11 @@ def _dumps(value) -> bytes:
     return buffer.getvalue()
 
 
-def _end_with_parent(parent: int) -> None:
-    # a rank whose launcher is gone (killed, interrupted) ends too, whatever fn is doing
+def _end_with_parent() -> None:
+    # a rank whose parent is gone (the launcher, or the forkserver, which ends with the launcher)
+    # ends too, whatever fn is doing
+    parent = os.getppid()
+
     def watch():
         while os.getppid() == parent:
             time.sleep(0.5)
@@ -64,8 +71,8 @@ def _end_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results, parent):
-    _end_with_parent(parent)
+def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results):
+    _end_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cpu":
         torch.set_num_threads(1)  # two ranks on a small CPU: no OpenMP threads spinning
@@ -90,7 +97,7 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results, par
 
 
 def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float = 60.0,
-              start_method: str = "spawn") -> list:  # fmt: skip
+              start_method: str | None = None) -> list:  # fmt: skip
     """[fn(rank, world_size, *args) for each rank], each in its own process of one group."""
     if not callable(fn):
         raise TypeError(f"run_ranks needs a function first, got {type(fn).__name__}")
@@ -102,12 +109,15 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
             f"{world_size} CUDA ranks need {world_size} GPUs; this machine has "
             f"{torch.cuda.device_count()}"
         )
-    if start_method == "spawn":
+    start_method = start_method or default_start_method()
+    if start_method != "fork":
         _check_importable(fn)
     context = mp.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(PRELOAD)
     results = context.Queue()
     port = free_port()
-    common = (device, port, timeout_s, fn, args, results, os.getpid())
+    common = (device, port, timeout_s, fn, args, results)
     procs = [
         context.Process(target=_rank_main, daemon=True, args=(r, world_size, *common))
         for r in range(world_size)
@@ -117,11 +127,21 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
     return _collect(procs, results, timeout_s)
 
 
+# What the forkserver imports once, so that its ranks need not: the chapter's rank functions
+PRELOAD = ["kernels.distributed.collectives", "kernels.distributed.tp",
+           "kernels.distributed.overlap", "kernels.distributed.invariance"]  # fmt: skip
+
+
+def default_start_method() -> str:
+    """'forkserver' where the platform has it (Linux, macOS), else 'spawn'."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
 def _check_importable(fn):
     where = getattr(fn, "__module__", None)
     if where == "__main__" or "<locals>" in getattr(fn, "__qualname__", "<locals>"):
         raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)!r} cannot be imported by a spawned process (it is "
+            f"{getattr(fn, '__qualname__', fn)!r} cannot be imported by a rank's process (it is "
             "defined in a notebook, a script or another function): put it at the top level of "
             "a module; start_method='fork' runs any function, on a CPU"
         )
