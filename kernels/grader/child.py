@@ -223,7 +223,7 @@ def run_case(fn, case, job, observer) -> dict:
     if case.get("action") in ("ranks", "ranks_time"):  # the learner's function on each rank
         from kernels.grader import ranks
 
-        return ranks.run_case(job, case, job.get("hard_limit_s", 600))
+        return ranks.run_case(job, case, job.get("hard_limit_s", 600), _load, plain)
     args = [_materialize(a, DEVICE) for a in case["args"]]
     kwargs = {k: _materialize(v, DEVICE) for k, v in case.get("kwargs", {}).items()}
     if case.get("action") == "time":

@@ -64,14 +64,14 @@ def _ms(fn, args, device, together=True) -> float:
     return 1e3 * (time.perf_counter() - start) / TIMED_CALLS
 
 
-def mlp_rank(rank, world_size, module_path, function, argsets, timed):
+def mlp_rank(rank, world_size, module_path, function, argsets, timed, load, plain):
     """A rank function: the learner's `function(x, w_up_shard, w_down_shard)` on this rank's
     shards, for each set of (x, w_up, w_down) in turn; per set [output, [[collective, calls],
-    ...]], or with `timed` {"ms", "baseline_ms", "baseline"}."""
+    ...]], or with `timed` {"ms", "baseline_ms", "baseline"}. `load` and `plain` are the
+    child's (how it loads the submission, and what it reports of a value)."""
     from kernels.distributed.tp import mlp_ref, shard_mlp
-    from kernels.grader.child import _load, plain
 
-    fn = getattr(_load(module_path), function)
+    fn = getattr(load(module_path), function)
     device = _device(rank)
     counts = {}
     _count_collectives(counts)
@@ -93,7 +93,7 @@ def mlp_rank(rank, world_size, module_path, function, argsets, timed):
 _DONE = {}  # id of the child's case list -> every case's report: all cases run in one launch
 
 
-def run_case(job, case, timeout_s) -> dict:
+def run_case(job, case, timeout_s, load, plain) -> dict:
     """What the child reports for `case`, one of job["cases"]: the ranks' outputs and the
     collectives each called, or a timing. The first call runs every case of the job on one
     launch of the ranks (each rank loads the submission once)."""
@@ -106,7 +106,7 @@ def run_case(job, case, timeout_s) -> dict:
         timed = case["action"] == "ranks_time"
         device = "cuda" if ON_GPU and torch.cuda.device_count() >= WORLD else "cpu"
         results = run_ranks(mlp_rank, WORLD, job["module"], job["function"],
-                            [c["args"] for c in batch], timed, device=device,
+                            [c["args"] for c in batch], timed, load, plain, device=device,
                             timeout_s=timeout_s)  # fmt: skip
         _DONE[key] = [[rank[i] for rank in results] for i in range(len(batch))]
     per_rank = _DONE[key][next(i for i, c in enumerate(batch) if c is case)]
