@@ -78,6 +78,7 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results):
         torch.set_num_threads(1)  # two ranks on a small CPU: no OpenMP threads spinning
     else:
         torch.cuda.set_device(rank)
+    failed_at = None  # when fn raised: the first rank to fail is the cause, the others echo it
     try:
         dist.init_process_group(
             backend_for(device),
@@ -89,11 +90,14 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, results):
             value = fn(rank, world_size, *args)
             if device == "cuda":
                 torch.cuda.synchronize()
+        except BaseException:
+            failed_at = time.time()
+            raise
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", _dumps(value)))
+        results.put((rank, "ok", _dumps(value), 0.0))
     except BaseException:  # reported to the parent, whatever it was
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc(), failed_at or time.time()))
 
 
 def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float = 60.0,
@@ -154,6 +158,21 @@ def _next(results):
         return None
 
 
+# After a rank's error, how long to wait for the others': a rank that raised makes the others
+# fail too (their peer is gone), and the report names the one that failed first.
+GRACE_S = 2.0
+
+
+def _first_error(errors, results, procs, grace_s=GRACE_S) -> RankError:
+    end = time.monotonic() + grace_s
+    while len(errors) < len(procs) and time.monotonic() < end:
+        message = _next(results)
+        if message is not None and message[1] == "error":
+            errors[message[0]] = (message[3], message[2])
+    rank = min(errors, key=lambda r: (errors[r][0], r))
+    return RankError(rank, errors[rank][1])
+
+
 def _collect(procs, results, timeout_s) -> list:
     values, deadline = {}, time.monotonic() + timeout_s
     try:
@@ -168,9 +187,9 @@ def _collect(procs, results, timeout_s) -> list:
                     raise RankError(late[0], f"still running after {timeout_s:g} s (ranks "
                                     f"{late} had not returned)")  # fmt: skip
                 continue
-            rank, status, payload = message
+            rank, status, payload, failed_at = message
             if status == "error":
-                raise RankError(rank, payload)
+                raise _first_error({rank: (failed_at, payload)}, results, procs)
             values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
