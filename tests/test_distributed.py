@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import check
-from kernels.distributed import RankError, collectives, invariance, overlap, run_ranks, tp
+from kernels.distributed import RankError, collectives, invariance, launch, overlap, run_ranks, tp
 from kernels.llm import load_model
 
 TIMEOUT = 20  # seconds: a test that spawns ranks stays within it
@@ -229,3 +229,8 @@ def test_nccl_tensor_parallel_matches_one_gpu():
     got = run_ranks(tp.layer_rank, 2, x.cuda(), mlp, attention, hd, device="cuda", timeout_s=120)
     ref = tp.mlp_ref(x.double(), *(w.cpu().double() for w in mlp))
     check.assert_close(got[0][0].cpu(), ref, op="matmul", dtype=torch.float32)
+
+
+def test_cuda_ranks_are_spawned_and_cpu_ranks_forked_from_a_server():
+    assert launch.default_start_method("cuda") == "spawn"
+    assert launch.default_start_method("cpu") in ("forkserver", "spawn")

@@ -3,11 +3,11 @@
     results = run_ranks(fn, 2, x)   # fn(rank, world_size, x) in 2 processes; [fn's value per rank]
 
 gloo on a CPU, NCCL on GPUs (rank r on GPU r). The processes are started with
-torch.multiprocessing. By default each rank is forked from a "forkserver": a fresh interpreter,
+torch.multiprocessing. By default a CPU rank is forked from a "forkserver": a fresh interpreter,
 started once, that has imported torch and the course (a rank then starts in a fraction of a
-second instead of importing torch again) and has never touched CUDA; like "spawn", it imports
-`fn` by its module and name, so `fn` must live in a file. "fork" copies this process, so any
-function works, on a CPU only (a process that has used CUDA cannot be forked).
+second instead of importing torch again); a CUDA rank is spawned (a fresh interpreter each).
+Both import `fn` by its module and name, so `fn` must live in a file. "fork" copies this
+process, so any function works, on a CPU only (a process that has used CUDA cannot be forked).
 
 Each rank leaves the group and ends by itself (and ends when its launcher is gone); one that
 raises, hangs or dies is reported as a RankError naming the rank, with its traceback;
@@ -113,7 +113,7 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
             f"{world_size} CUDA ranks need {world_size} GPUs; this machine has "
             f"{torch.cuda.device_count()}"
         )
-    start_method = start_method or default_start_method()
+    start_method = start_method or default_start_method(device)
     if start_method != "fork":
         _check_importable(fn)
     context = mp.get_context(start_method)
@@ -136,9 +136,13 @@ PRELOAD = ["kernels.distributed.collectives", "kernels.distributed.tp",
            "kernels.distributed.overlap", "kernels.distributed.invariance"]  # fmt: skip
 
 
-def default_start_method() -> str:
-    """'forkserver' where the platform has it (Linux, macOS), else 'spawn'."""
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+def default_start_method(device: str = "cpu") -> str:
+    """CPU ranks: 'forkserver' where the platform has it (Linux, macOS), else 'spawn'. CUDA
+    ranks: 'spawn', a fresh interpreter each (importing the course asks torch whether there is
+    a GPU, which starts CUDA's driver, and a process forked after that cannot use CUDA)."""
+    if device == "cpu" and "forkserver" in mp.get_all_start_methods():
+        return "forkserver"
+    return "spawn"
 
 
 def _check_importable(fn):
