@@ -146,7 +146,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     output in gate_up's dtype."""
     check_tensor("gate_up", gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up's last dim must be 2F (gate, then up), got {tuple(gate_up.shape)}")
+        raise ValueError(
+            f"gate_up's last dim must be 2F (gate, then up), got {tuple(gate_up.shape)}"
+        )
     if not gate_up.is_contiguous():
         gate_up = gate_up.contiguous()
     F = gate_up.shape[-1] // 2

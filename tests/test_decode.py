@@ -85,11 +85,13 @@ def test_the_fused_model_path_matches_the_unfused_one():
     tokens = torch.randint(0, model.config.vocab_size, (2, 5), device=DEVICE)
     caches = model.new_cache(2, 16), reference.new_cache(2, 16)
     with torch.no_grad():
-        outs = [m(tokens, c, input_pos=0) for m, c in zip((model, reference), caches)]
+        outs = [m(tokens, c, input_pos=0) for m, c in zip((model, reference), caches, strict=True)]
         for step in range(2):  # one shared position, then one per row (the server's path)
             pos = 5 + step if step == 0 else [6, 6]
             nxt = outs[0][:, -1:].argmax(-1)
-            outs = [m(nxt, c, input_pos=pos) for m, c in zip((model, reference), caches)]
+            outs = [
+                m(nxt, c, input_pos=pos) for m, c in zip((model, reference), caches, strict=True)
+            ]
             torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-5)
     assert "_fused" in model.layers[0].__dict__  # the fused path ran
