@@ -9,6 +9,9 @@ rotary_kv(qkv, ...): one fused q/k/v projection's output (B, S, (H + 2 Hkv) * hd
   writes and their copies: about a dozen launches a layer for a few kilobytes of data.
 silu_mul(gate_up): SwiGLU's silu(gate) * up from one fused gate/up projection (M, 2F) -> (M, F),
   one kernel where torch launches two.
+swiglu_linear(gate_up, w_down): the same product computed while the down projection's GEMV
+  loads its input (kernels.split_k's GATED tiles), bit for bit what silu_mul then
+  kernels.gemv.linear give, with one launch fewer: a decode step's rows only (M <= 64).
 
 Rotary here is rotate_half's (dimension i pairs with i + hd/2, as kernels.llm.model.rotary):
   out[i]        = x[i] cos[i] - x[i + hd/2] sin[i]
@@ -25,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gemv, int8
 from kernels.launch import launch
+from kernels.split_k import product
 from kernels.validate import check_tensor
 
 
@@ -164,3 +169,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.double().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T for gate_up (M, 2F), gate then up, and weight (N, F): the
+    decode GEMV (kernels.gemv.linear; with `scale`, an int8 weight as kernels.int8.linear) with
+    SwiGLU's product formed as it loads its input. Output (M, N) in gate_up's dtype."""
+    check_tensor("gate_up", gate_up, ndim=2)
+    if gate_up.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(
+            f"gate_up (M, 2F) must have twice weight's F columns: gate_up "
+            f"{tuple(gate_up.shape)}, weight {tuple(weight.shape)} (N, F)"
+        )
+    up = gate_up[:, weight.shape[1] :]  # stands in for the checks: the kernel's input is (M, F)
+    if scale is None:
+        gemv.check_linear_inputs(up, weight, None)
+        return product(gate_up, weight.t(), kind="gemv", gated=True)
+    int8.check_int8_inputs(up, weight, scale, None)
+    return product(gate_up, weight.t(), kind="int8", scale=scale.contiguous(), gated=True)
+
+
+def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
+    """silu_mul then the GEMV's reference, in fp64 (the product rounded to gate_up's dtype
+    first, as the kernel rounds it)."""
+    act = silu_mul_ref(gate_up)
+    if scale is not None:
+        return int8.linear_ref(act, weight, scale)
+    return gemv.linear_ref(act, weight)

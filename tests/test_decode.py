@@ -95,3 +95,33 @@ def test_the_fused_model_path_matches_the_unfused_one():
             torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-5)
     assert "_fused" in model.layers[0].__dict__  # the fused path ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 33, 70), (3, 64, 200), (17, 5, 31)], ids=str)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_swiglu_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weights):
+    from kernels import gemv, int8
+
+    M, N, F = shape
+    gate_up = check.random_tensor((M, 2 * F), dtype, seed=5, scale=2.0)
+    weight = check.random_tensor((N, F), dtype, seed=6, scale=F**-0.5)
+    scale = None
+    if weights == "int8":
+        weight, scale = int8.quantize(weight.float())
+    out = decode.swiglu_linear(gate_up, weight, scale)
+    ref = decode.swiglu_linear_ref(gate_up, weight, scale)
+    assert out.shape == (M, N) and out.dtype == dtype
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    if DEVICE.type == "cpu":  # one tile on the interpreter: the same sums, the same bits
+        act = decode.silu_mul(gate_up)
+        two = gemv.linear(act, weight) if scale is None else int8.linear(act, weight, scale)
+        assert torch.equal(out, two)
+
+
+def test_swiglu_linear_rejects_a_mismatched_weight():
+    with pytest.raises(ValueError, match="twice weight's F columns"):
+        decode.swiglu_linear(
+            torch.zeros((2, 10), device=DEVICE), torch.zeros((4, 4), device=DEVICE)
+        )

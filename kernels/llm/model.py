@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import batch_invariant, decode
+from kernels import batch_invariant, decode, gemv
 from kernels.llm import ops
 from kernels.llm.config import ModelConfig
 
@@ -143,11 +143,15 @@ class Block(nn.Module):
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
         h, x = ops.add_rms_norm(project(y, self.wo, backend), x, self.mlp_norm.weight,
                                 c.norm_eps, backend)  # fmt: skip
-        if fused:
-            act = decode.silu_mul(fused_project(h, self, ("w_gate", "w_up")))  # (B, S, F)
-        else:
+        if not fused:
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
-        return x, project(act, self.w_down, backend)  # SwiGLU
+            return x, project(act, self.w_down, backend)  # SwiGLU
+        gate_up = fused_project(h, self, ("w_gate", "w_up"))  # (B, S, 2F)
+        if B * S <= gemv.MAX_ROWS:  # decode: SwiGLU's product inside the down GEMV's loads
+            w_down, scale = self.w_down.weight, getattr(self.w_down, "scale", None)
+            down = decode.swiglu_linear(gate_up.view(B * S, -1), w_down, scale)
+            return x, down.view(B, S, c.d_model)
+        return x, project(decode.silu_mul(gate_up), self.w_down, backend)
 
     @staticmethod
     def attend(q, cache, backend):
