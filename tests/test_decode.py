@@ -73,15 +73,19 @@ def test_silu_mul_rejects_an_odd_last_dim():
         decode.silu_mul(torch.zeros((2, 3), device=DEVICE))
 
 
-def test_the_fused_model_path_matches_the_unfused_one():
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_the_fused_model_path_matches_the_unfused_one(weights):
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
     gives the logits of the layer-by-layer path (torch's backend, same weights), token by token
     over a prefill and two decode steps, with rows at different positions too."""
     from kernels import llm
+    from kernels.llm import quant
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
     reference = llm.load_model("tiny", device=DEVICE, backend="torch")
     reference.load_state_dict(model.state_dict())
+    if weights == "int8":
+        quant.quantize_int8(model), quant.quantize_int8(reference)
     tokens = torch.randint(0, model.config.vocab_size, (2, 5), device=DEVICE)
     caches = model.new_cache(2, 16), reference.new_cache(2, 16)
     with torch.no_grad():
