@@ -68,10 +68,6 @@ GEMV_TILES = pick(
         Tile(32, 64, 128, num_warps=4, num_stages=4),
         Tile(64, 64, 128, num_warps=4, num_stages=3),
         Tile(64, 128, 64, num_warps=4, num_stages=4),
-        # a small model's layers (N = 576 to 3072): 16 columns a program puts 36 to 192
-        # programs in flight where 64 columns leave most of the 132 SMs idle
-        Tile(16, 16, 256, num_warps=4, num_stages=4),
-        Tile(16, 32, 128, num_warps=4, num_stages=4),
     ],
 )
 # int8 weights: half the bytes per element, so twice the K per load for the same bytes.
@@ -83,7 +79,6 @@ INT8_TILES = pick(
         Tile(16, 128, 128, num_warps=4, num_stages=3),
         Tile(32, 64, 256, num_warps=4, num_stages=3),
         Tile(64, 64, 256, num_warps=4, num_stages=3),
-        Tile(16, 16, 512, num_warps=4, num_stages=4),
     ],
 )
 TILES = {"matmul": MATMUL_TILES, "gemv": GEMV_TILES, "int8": INT8_TILES}
