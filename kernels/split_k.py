@@ -222,7 +222,8 @@ def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, 
         except (OutOfResources, PTXASError):  # a tile too large for this GPU never wins
             return float("inf")
 
-    plan = tuning.plan(kind, N, K, key, time_plan)
+    timed = N * K * b.element_size() >= tuning.TIMED_FROM_BYTES
+    plan = tuning.plan(kind, N, K, key, time_plan if timed else None)
     if splits is not None:
         plan = _with_splits(plan, K, splits)
     return _run(a, b, plan, scale, bias, activation, gated)
