@@ -103,6 +103,10 @@ def _matmul(a, b, bias, activation, kernel):
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     if K == 0:  # an empty sum: zeros, then the epilogue
         return matmul_ref(a, b, bias, activation)
+    if how.split_k:  # few output tiles, a long K
+        from kernels.split_k import product  # late: kernels.split_k imports this module
+
+        return product(a, b, kind="matmul", bias=bias, activation=activation)
     if how.pad:
         a, b, bias = tuning.pad_operands(a, b, bias)
     if how.k_major_b:
@@ -231,8 +235,10 @@ def _checked(a, b, bias, activation, kernel):
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu"
-    (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype. On Hopper,
-    large fp16/bf16 problems go through the TMA kernel, the rest through pointers (plan()).
+    (exact, erf; its tanh form for fp16/bf16 outputs) or "relu". Accumulates in fp32; the
+    output has the inputs' dtype. On Hopper, large fp16/bf16 problems go through the TMA
+    kernel, outputs too small to fill the GPU with a long K through kernels.split_k, the rest
+    through pointers (plan()).
     Differentiable in a, b and bias (the backward's matmuls run on these kernels too)."""
     return _checked(a, b, bias, activation, kernel=None)
 
