@@ -60,9 +60,24 @@ def num_warps(elements: int, most: int) -> int:
     return min(most, max(1, elements // 512))
 
 
+_plans: dict = {}  # what plan() decided, by its arguments: one lookup per call after the first
+
+
 def plan(n_rows: int, n_cols: int, path: str | None = None, sms: int | None = None) -> Plan:
     """How to compute softmax over (n_rows, n_cols), n_rows and n_cols > 0: the rules above,
-    or with `path` one of PATHS that path whatever the shape (for tests and comparisons)."""
+    or with `path` one of PATHS that path whatever the shape (for tests and comparisons).
+    Deciding costs microseconds of host time, more than a small softmax runs: each decision
+    is kept (a test that changes the thresholds empties `_plans`)."""
+    key = (n_rows, n_cols, path, sms)
+    how = _plans.get(key)
+    if how is None:
+        if len(_plans) >= 4096:  # a bound on shapes seen, not a tuning
+            _plans.clear()
+        how = _plans[key] = _decide(n_rows, n_cols, path, sms)
+    return how
+
+
+def _decide(n_rows: int, n_cols: int, path: str | None, sms: int | None) -> Plan:
     if path is None:
         path = _choose(n_rows, n_cols, sms or processors())
     elif path not in PATHS:

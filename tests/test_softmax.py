@@ -8,6 +8,13 @@ from kernels import softmax_tuning as tuning
 from kernels.runtime import DEVICE
 from kernels.softmax import FUSED_MAX_COLS, softmax, softmax_path, softmax_ref, softmax_streamed
 
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    """plan() keeps its decisions: a test that changes the thresholds starts from none."""
+    monkeypatch.setattr(tuning, "_plans", {})
+
+
 SHAPES = [(1, 1), (3, 1), (1, 3), (5, 127), (5, 128), (5, 129), (3, 1000), (2, 4097), (2, 3, 129)]
 
 
