@@ -32,7 +32,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 from kernels import split_k_tuning as tuning
 from kernels.batch_invariant.rows import add_combine
 from kernels.launch import launch
-from kernels.matmul import matmul_ref
+from kernels.matmul_reference import matmul_ref
 from kernels.operators import operator, through_operator
 from kernels.primitives import epilogue
 from kernels.runtime import INTERPRET
