@@ -113,7 +113,7 @@ def test_fp32_keeps_the_exact_gelu():
     x = torch.linspace(-8, 8, 4001, device=DEVICE).view(-1, 1)
     out = bias_gelu(x, torch.zeros(1, device=DEVICE))
     exact = torch.nn.functional.gelu(x.double())
-    assert (out.double() - exact).abs().max() < 1e-6  # the tanh form is off by about 1e-3
+    assert (out.double() - exact).abs().max() < 1e-6  # the tanh form is off by up to 4.7e-4
 
 
 def test_tolerance_units_and_every_value():
