@@ -44,8 +44,8 @@ def gelu_fast(z):
     """GELU in its tanh form, in fp32: two multiplies, an FMA, one exp2 (the GPU's native
     instruction, where erf is a long polynomial) and an approximate division. Off from the exact
     GELU by 4.7e-4 at most (near |z| = 2.7), under fp16's rounding step there (2e-3) and far
-    under bf16's (tests/test_elementwise.py measures it over every value of both). At the ends: z -> +inf
-    gives 2^-inf = 0, so z; z -> -inf gives z / inf = -0 (exact: a tiny negative)."""
+    under bf16's (tests/test_elementwise.py measures it over every value of both). At the ends:
+    z -> +inf gives 2^-inf = 0, so z; z -> -inf gives z / inf = -0 (exact: a tiny negative)."""
     return tl.fdiv(z, 1.0 + tl.exp2(z * (GELU_C1 + GELU_C3 * z * z)), ieee_rounding=False)
 
 
