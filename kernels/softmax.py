@@ -38,7 +38,7 @@ def softmax_row_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    # rows past the end read the last row again (no -inf rows, so no NaN) and are not stored;
+    # rows past the end read the last row again (in bounds, no mask) and are not stored;
     # 64-bit: row * stride may pass 2**31
     rows_in = tl.minimum(rows, n_rows - 1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
