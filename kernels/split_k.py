@@ -30,11 +30,10 @@ import triton.testing
 from triton.runtime.errors import OutOfResources, PTXASError
 
 from kernels import split_k_tuning as tuning
-from kernels.batch_invariant.rows import add_combine
 from kernels.launch import launch
-from kernels.matmul import matmul_ref
+from kernels.matmul_reference import matmul_ref
 from kernels.operators import operator, through_operator
-from kernels.primitives import epilogue
+from kernels.primitives import add_combine, epilogue
 from kernels.runtime import INTERPRET
 from kernels.validate import check_matmul_inputs, input_precision
 
