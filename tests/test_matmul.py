@@ -275,6 +275,7 @@ FORCED_PLANS = {  # each copy the GPU makes for large problems, run here by the 
 def test_launcher_carries_out_each_plan(name, monkeypatch):
     forced = FORCED_PLANS[name]
     monkeypatch.setattr(tuning, "plan", lambda a, b, kernel=None: forced)
+    monkeypatch.setattr(matmul_module, "_calls", {})  # no call decided before this plan
     launched = []
     launch = matmul_module._launch
 
