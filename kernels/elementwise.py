@@ -31,12 +31,17 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
 _launch_add = Launcher(add_kernel)
 
 
+def add_key(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple:
+    """add_kernel's launch key (kernels.launch): out is a fresh allocation, so aligned."""
+    return x.dtype, aligned(x), aligned(y), int_class(n)
+
+
 def _add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     x, y = x.contiguous(), y.contiguous()  # flat indexing below needs dense memory
-    out = torch.empty_like(x)  # fresh: aligned, so out needs no place in the key
+    out = torch.empty_like(x)
     n = x.numel()
     if n:
-        key = (x.dtype, aligned(x), aligned(y), int_class(n))
+        key = add_key(x, y, n)
         grid = (triton.cdiv(n, BLOCK_SIZE),)
         _launch_add(key, grid, x, y, out, n, BLOCK_SIZE=BLOCK_SIZE)
     return out
