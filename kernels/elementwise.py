@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launcher, aligned, int_class
+from kernels.launch import Launcher, aligned, cdiv, int_class
 from kernels.operators import operator, through_operator
 from kernels.primitives import gelu
 from kernels.validate import check_row_vector, check_same, check_tensor
@@ -42,7 +42,7 @@ def _add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n:
         key = add_key(x, y, n)
-        grid = (triton.cdiv(n, BLOCK_SIZE),)
+        grid = (cdiv(n, BLOCK_SIZE),)
         _launch_add(key, grid, x, y, out, n, BLOCK_SIZE=BLOCK_SIZE)
     return out
 
@@ -85,7 +85,7 @@ def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     n, n_cols = x.numel(), x.shape[-1]
     if n:
         key = (x.dtype, aligned(x), aligned(bias), int_class(n), int_class(n_cols))
-        grid = (triton.cdiv(n, BLOCK_SIZE),)
+        grid = (cdiv(n, BLOCK_SIZE),)
         _launch_bias_gelu(key, grid, x, bias, out, n, n_cols, BLOCK_SIZE=BLOCK_SIZE)
     return out
 

@@ -46,6 +46,19 @@ VERIFY: bool = os.environ.get("KERNELS_VERIFY_LAUNCH", "0") not in ("", "0")
 MAX_KEYS = 4096  # keys kept per kernel; past this its cache starts again (a bound, not a tuning)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b): triton.cdiv's value, in plain Python. Triton's helpers can also be called
+    inside kernels, and from Python each call goes through a wrapper that unwraps every
+    argument: several function calls per launch that a hot path does not need."""
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1: triton.next_power_of_2's value, in plain
+    Python (see cdiv)."""
+    return 1 << (n - 1).bit_length()
+
+
 def aligned(t: torch.Tensor) -> bool:
     """Whether t's address is a multiple of 16 bytes, which Triton specializes pointers on."""
     return t.data_ptr() % 16 == 0

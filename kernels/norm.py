@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import norm_long
-from kernels.launch import Launcher, aligned, int_class
+from kernels.launch import Launcher, aligned, int_class, next_power_of_2
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
@@ -118,7 +118,7 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
     if long_rows:
         norm_long.forward(x2, weight, bias, eps, y2, mean, rstd)
         return y, x2, mean, rstd, h
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     # The launch's key (kernels.launch): what Triton specializes on. y, h and the statistics
     # are fresh allocations (aligned), eps a float; BLOCK, num_warps follow from n_cols.
     key = (x.dtype, block, int_class(n_cols), int_class(x2.stride(0)), aligned(x2),

@@ -65,6 +65,13 @@ def test_launch_matches_triton_on_every_specialization(dtype, verify):
         assert torch.equal(_add_through(keyed, x, y), expected), (n, offset)
 
 
+def test_plain_helpers_give_tritons_values():
+    for n in [*range(1, 300), 4095, 4096, 4097, 2**31 + 5]:
+        assert launch_module.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 1024):
+            assert launch_module.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 def test_int_class_is_what_triton_specializes_integers_on():
     assert [int_class(n) for n in (1, 0, 16, 32, 17, 1000)] == [1, 16, 16, 16, 0, 0]
     assert int_class(2**31) == 64 + 16 and int_class(2**31 + 1) == 64
