@@ -106,14 +106,19 @@ class Launcher:
     def _first(self, device, key, grid, args, kwargs):
         """Triton's own path; keep what it compiled when it may be launched directly later."""
         compiled = self.kernel[grid](*args, **kwargs)
-        if hooked() or callable(grid):
-            return compiled
         names = self.kernel.arg_names[len(args) :]
-        if all(name in kwargs for name in names):  # else a default fills in: keep Triton's path
-            if len(self.entries) >= MAX_KEYS:
-                self.entries.clear()
-            spec = specialization(self, args, kwargs)
-            self.entries[(device, key)] = _Entry(compiled, tuple(names), _direct(compiled), spec)
+        if compiled is None or hooked() or callable(grid):
+            return compiled
+        if not all(name in kwargs for name in names):  # a default fills in: Triton's path
+            return compiled
+        try:
+            launch = _direct(compiled)
+        except AttributeError:  # a compiled kernel unlike 3.6's and 3.9's: Triton's path
+            return compiled
+        if len(self.entries) >= MAX_KEYS:
+            self.entries.clear()
+        spec = specialization(self, args, kwargs)
+        self.entries[(device, key)] = _Entry(compiled, tuple(names), launch, spec)
         return compiled
 
     def _interpret(self, key, grid, args, kwargs):

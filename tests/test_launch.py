@@ -2,6 +2,8 @@
 makes (alignment, integers equal to 1 or divisible by 16, dtypes); a call site's key that
 misses one is caught under VERIFY; under the interpreter the keys are still recorded."""
 
+import types
+
 import pytest
 import torch
 import triton
@@ -162,3 +164,97 @@ def test_a_launch_hook_sends_launches_through_tritons_path():
     with bench.launches():
         assert launch_module.hooked()
     assert not launch_module.hooked()
+
+
+# The direct path's argument layouts, checked on any machine against stand-ins for Triton's
+# compiled kernel and its launcher (the C launcher's argument order read from Triton's
+# nvidia/driver.py of 3.6 and 3.9): the order is where a mistake would not raise.
+class _Launcher36:
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, seen):
+        self.seen = seen
+        self.launch = lambda *args: seen.append(("C", args))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.seen.append(("run", (gridX, gridY, gridZ, stream, function, *args)))
+
+
+class _Launcher39(_Launcher36):
+    arg_annotations, kernel_signature = "annotations", "signature"
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                 launch_enter_hook, launch_exit_hook, *args):  # fmt: skip
+        hooks = (launch_metadata, launch_enter_hook, launch_exit_hook)
+        self.seen.append(
+            ("run", (gridX, gridY, gridZ, stream, function, kernel_metadata, *hooks, *args))
+        )
+
+
+class _LauncherUnknown(_Launcher36):
+    def __call__(self, *args):
+        self.seen.append(("run", args))
+
+
+class _Scratch36(_Launcher36):
+    global_scratch_size = 128  # needs memory per launch: the direct path leaves that to run
+
+
+def _stand_in_kernel(run):
+    def fn(x_ptr, n, BLOCK: "tl.constexpr"):  # noqa: F821
+        pass
+
+    compiled = types.SimpleNamespace(run=run, function=7, packed_metadata=(4, 1, 0))
+
+    class Kernel:
+        arg_names = ["x_ptr", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: run.seen.append(("triton", args)) or compiled
+
+    kernel = Kernel()
+    kernel.fn = fn
+    return kernel
+
+
+M = (4, 1, 0)  # the packed metadata
+EXPECTED = {
+    _Launcher36: ("C", (5, 1, 1, 99, 7, False, True, None, None, M, None, None, None, "x", 16, 64)),
+    _Launcher39: (
+        "C",
+        (
+            5,
+            1,
+            1,
+            99,
+            7,
+            False,
+            True,
+            M,
+            None,
+            None,
+            None,
+            None,
+            None,
+            "annotations",
+            "signature",
+            ("x", 16, 64),
+        ),
+    ),  # fmt: skip
+    _LauncherUnknown: ("run", (5, 1, 1, 99, 7, M, None, None, None, "x", 16, 64)),
+    _Scratch36: ("run", (5, 1, 1, 99, 7, M, None, None, None, "x", 16, 64)),
+}
+
+
+@pytest.mark.parametrize("launcher_class", EXPECTED, ids=lambda c: c.__name__.strip("_"))
+def test_the_direct_path_passes_each_layout_its_arguments(launcher_class, monkeypatch):
+    monkeypatch.setattr(launch_module, "INTERPRET", False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 99, raising=False)
+    seen = []
+    keyed = Launcher(_stand_in_kernel(launcher_class(seen)))
+    for _ in range(2):
+        keyed(("key",), (5,), "x", 16, BLOCK=64)
+    assert seen[0] == ("triton", ("x", 16))  # the first launch: Triton's own path
+    assert seen[1:] == [EXPECTED[launcher_class]]
