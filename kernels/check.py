@@ -135,6 +135,48 @@ def compare(out, ref, *, op: str, dtype: torch.dtype | None = None, baseline=Non
     return Comparison(True, f"max abs error {max_abs:.2e}", max_abs)
 
 
+def tolerance_units(out, ref, *, op: str, dtype: torch.dtype | None = None) -> float:
+    """The largest error of `out` against `ref` in units of the tolerance table's allowance,
+    |out - ref| / (atol + rtol |ref|), over the elements where `ref` is finite: below 1 is
+    within tolerance; inf where `out` is not finite but `ref` is. `dtype` defaults to out's."""
+    tol = tolerance(dtype or out.dtype, op)
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    finite = torch.isfinite(ref64)
+    if not finite.any():
+        return 0.0
+    out64, ref64 = out64[finite], ref64[finite]
+    if not torch.isfinite(out64).all():
+        return math.inf
+    return ((out64 - ref64).abs() / (tol.atol + tol.rtol * ref64.abs())).max().item()
+
+
+def every_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of a 16-bit float dtype (fp16: 63488 of them, bf16: 65280), in bit
+    order, on the CPU: a sweep that leaves no input out."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"every_value needs float16 or bfloat16, got {dtype}")
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return values[torch.isfinite(values)]
+
+
+def every_value_error(fn, baseline, ref, dtype: torch.dtype, *, op: str, device=None) -> dict:
+    """The largest error, in tolerance units (tolerance_units), of `fn` and of `baseline`
+    (PyTorch's own op in `dtype`) over every finite value x of `dtype` (every_value), against
+    `ref` on x in fp64. Each takes a 1-D tensor of `dtype` on `device` (default DEVICE).
+    Returns {"ours": float, "torch": float, "torch_non_finite": int}: torch's is over the inputs
+    where it gives a finite result, and the count of the others (its bf16 GELU overflows to inf
+    above 1.7e38, where the exact result is finite)."""
+    x = every_value(dtype).to(device or DEVICE)
+    expected = ref(x.double())
+    theirs = baseline(x)
+    finite = torch.isfinite(theirs)
+    return {
+        "ours": tolerance_units(fn(x), expected, op=op, dtype=dtype),
+        "torch": tolerance_units(theirs[finite], expected[finite], op=op, dtype=dtype),
+        "torch_non_finite": int((~finite & torch.isfinite(expected)).sum()),
+    }
+
+
 def assert_close(out, ref, *, op: str, dtype: torch.dtype | None = None, baseline=None) -> None:
     """`compare`, raising AssertionError with its message on failure."""
     result = compare(out, ref, op=op, dtype=dtype, baseline=baseline)

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from kernels.launch import Launcher, aligned, cdiv, int_class
 from kernels.operators import operator, through_operator
-from kernels.primitives import gelu
+from kernels.primitives import gelu_for
 from kernels.validate import check_row_vector, check_same, check_tensor
 
 BLOCK_SIZE = 1024
@@ -72,7 +72,7 @@ def bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_elements, n_cols, BLOCK_SIZE: t
     mask = offsets < n_elements
     x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
     b = tl.load(bias_ptr + offsets % n_cols, mask=mask).to(tl.float32)
-    out = gelu(x + b)
+    out = gelu_for(x + b, out_ptr.dtype.element_ty)  # fp16/bf16: the tanh form
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -124,7 +124,8 @@ bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_set
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """GELU(x + bias), bias broadcast over the last dim; exact (erf) GELU, computed in fp32.
+    """GELU(x + bias), bias broadcast over the last dim, computed in fp32: the exact (erf) GELU
+    for fp32, its tanh form for fp16/bf16 (primitives.gelu_fast: within their rounding).
     The operator torch.ops.brrr.bias_gelu; differentiable in x and bias."""
     check_tensor("x", x, min_ndim=1)
     check_row_vector("bias", bias, x)

@@ -17,8 +17,10 @@ import triton
 import triton.language as tl
 
 from kernels import matmul_tuning as tuning
+from kernels import split_k
 from kernels.elementwise import activation_grad
 from kernels.launch import Launcher, aligned, launch
+from kernels.matmul_reference import matmul_ref
 from kernels.operators import operator, through_operator
 from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
 from kernels.runtime import INTERPRET
@@ -130,6 +132,8 @@ def _first_call(key, a, b, bias, activation, kernel):
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     if K == 0:  # an empty sum: zeros, then the epilogue
         return matmul_ref(a, b, bias, activation)
+    if how.split_k:  # few output tiles, a long K
+        return split_k.product(a, b, kind="matmul", bias=bias, activation=activation)
     if how.pad:
         a, b, bias = tuning.pad_operands(a, b, bias)
     if how.k_major_b:
@@ -274,8 +278,10 @@ def _checked(a, b, bias, activation, kernel):
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) or None, activation None, "gelu"
-    (exact, erf) or "relu". Accumulates in fp32; the output has the inputs' dtype. On Hopper,
-    large fp16/bf16 problems go through the TMA kernel, the rest through pointers (plan()).
+    (exact, erf; its tanh form for fp16/bf16 outputs) or "relu". Accumulates in fp32; the
+    output has the inputs' dtype. On Hopper, large fp16/bf16 problems go through the TMA
+    kernel, outputs too small to fill the GPU with a long K through kernels.split_k, the rest
+    through pointers (plan()).
     Differentiable in a, b and bias (the backward's matmuls run on these kernels too)."""
     return _checked(a, b, bias, activation, kernel=None)
 
@@ -289,21 +295,3 @@ def matmul_tma(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> 
 def matmul_pointers(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
     """matmul through the pointer kernel (matmul_kernel), whatever the size."""
     return _checked(a, b, bias, activation, kernel="pointers")
-
-
-def _epilogue_ref(acc, bias, activation):
-    if bias is not None:
-        acc = acc + bias.to(acc.dtype)
-    if activation == "gelu":
-        return torch.nn.functional.gelu(acc)
-    if activation == "relu":
-        return torch.relu(acc)
-    return acc
-
-
-def matmul_ref(a: torch.Tensor, b: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
-    """PyTorch's act(a @ b + bias), computed in fp32 (fp64 for fp64 inputs), output in a's dtype.
-    Reads M*K + K*N elements, writes M*N (plus a round trip of M*N for each of bias and act)."""
-    compute = torch.promote_types(a.dtype, torch.float32)
-    acc = a.to(compute) @ b.to(compute)
-    return _epilogue_ref(acc, bias, activation).to(a.dtype)

@@ -1,6 +1,7 @@
 """The measured choices behind kernels.matmul, each with the H200 run that chose it, and the
 one decision that applies them: plan(a, b, kernel) says, once per call, which copies to make
-first (padded operands, a K-major b) and which kernel to launch (TMA or pointers).
+first (padded operands, a K-major b) and which kernel to launch (TMA, pointers, or
+kernels.split_k when the output is too small to fill the GPU and K is long).
 
 scripts/tune_matmul.py produced the numbers quoted here; it imports this module to try new
 candidates against the same rules.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.runtime import INTERPRET, ON_GPU
+from kernels.runtime import INTERPRET, ON_GPU, processors
 from kernels.validate import input_precision
 
 
@@ -184,6 +185,22 @@ def pad_operands(a, b, bias=None, multiple: int = PAD_MULTIPLE):
     return a_p, b_p, bias
 
 
+# Split-K: an output of few tiles leaves most SMs idle however long K is (256 x 256 x 524288 is
+# 4 tiles of 128 x 128 for 132 SMs: 0.068x cuBLAS on an H200 without a split). kernels.split_k
+# cuts K into pieces computed in parallel and adds them in a fixed order. NOT YET MEASURED ON A
+# GPU: the two thresholds are guesses, to be set from `python -m kernels bench shapes`. Never
+# for the batch-invariant matmul: a split chosen from the output's size depends on M (Chapter 5).
+SPLIT_K_TILE = 128  # the tile the rule counts in, whatever the kernels' configs
+SPLIT_K_MAX_TILES = 0.5  # split when the output has at most this many tiles per SM
+SPLIT_K_MIN_K = 16384  # and K is at least this long
+
+
+def wants_split_k(M: int, N: int, K: int, sms: int) -> bool:
+    """Whether a @ b goes to kernels.split_k: too few output tiles to fill `sms` SMs, long K."""
+    tiles = triton.cdiv(M, SPLIT_K_TILE) * triton.cdiv(N, SPLIT_K_TILE)
+    return K >= SPLIT_K_MIN_K and tiles <= SPLIT_K_MAX_TILES * sms
+
+
 KERNELS = (None, "tma", "pointers")  # None: plan() chooses
 
 
@@ -196,6 +213,7 @@ class Plan:
     tma: bool  # the TMA kernel (tensor descriptors), else the pointer kernel
     b_is_w: bool  # TMA only: b as launched is W.t() of a row-major W (N, K)
     input_precision: str  # tl.dot's for these inputs: "ieee" or "tf32"
+    split_k: bool = False  # kernels.split_k instead (it copies nothing), the fields above unused
 
 
 # There are few plans (five fields): each is built once and shared, so deciding costs a
@@ -234,6 +252,8 @@ def _decide(a, b, kernel) -> Plan:
     if kernel is not None:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     (M, K), N = a.shape, b.shape[1]
+    if wants_split_k(M, N, K, processors()):
+        return _shared_plan(False, False, False, False, precision, True)
     large = not INTERPRET and M * N * K >= PAD_MIN_WORK
     pad = large and not aligned(a, b)
     if pad:  # fresh padded copies are contiguous with aligned rows: the TMA can load them

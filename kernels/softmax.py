@@ -1,15 +1,19 @@
-"""Softmax over the last dim, fused: one read and one write of the input.
+"""Softmax over the last dim: at best one read and one write of the input.
 
 softmax(x)_i = exp(x_i - m) / sum_j exp(x_j - m), m = max_j x_j. Subtracting the row max
 changes nothing mathematically and keeps exp() from overflowing (exp(89) is inf in fp32).
 
-Two kernels, chosen by row length:
-- one row per program (rows up to FUSED_MAX_COLS): the row sits in registers, so the input
-  is read once and the output written once: 2 * numel * element_size bytes.
-- streamed (longer rows): the online-softmax recurrence keeps a running max and a running
-  sum over blocks of the row (pass 1), then writes exp(x - max) / sum (pass 2): the row is
-  read twice (the second read is often served from L2) and written once.
-Both compute in fp32 whatever the input dtype.
+Three kernels, four paths; kernels.softmax_tuning.plan() picks one per call from the shape:
+- softmax_row_kernel: BLOCK_ROWS whole rows per program, in registers: the input is read
+  once and the output written once, 2 * numel * element_size bytes. Short rows take several
+  rows a program ("rows"), mid rows one ("row").
+- softmax_streamed_kernel ("streamed", long rows): the online-softmax recurrence keeps a
+  running max and a running sum over blocks of the row (pass 1), then writes exp(x - max) / sum
+  (pass 2): the row is read twice (the second read is often served from L2) and written once.
+- softmax_partials_kernel + softmax_split_kernel ("split", long rows too few to fill the SMs):
+  each row cut into pieces, one program per piece in both passes; the partial maxima and sums
+  go through an fp32 (rows, splits) buffer between them. Read twice, written once.
+All compute in fp32 whatever the input dtype.
 
 Backward, from the saved output y: dx = y * (dy - sum_j dy_j y_j), in fp32 (torch ops that a
 compiled backward fuses: reads y and dy, writes dx).
@@ -19,32 +23,64 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import softmax_tuning as tuning
 from kernels.launch import launch
 from kernels.operators import operator, through_operator
+from kernels.softmax_tuning import FUSED_MAX_COLS
 from kernels.validate import check_tensor
 
-FUSED_MAX_COLS = 32768  # longest row kept whole in registers (fp32: 32 values per thread)
-STREAM_BLOCK = 8192  # columns per step of the streamed kernel
-
-
-def _num_warps(block: int, most: int) -> int:
-    # 16 values per thread: 4 warps for rows of 2048, 8 for 4096, 16 for 8192, up to `most`.
-    # Measured on an H200 (scripts/tune_fusion.py): 16 warps at 4096 lost a fifth of the
-    # bandwidth to 8; a row of 2048 wanted 4.
-    return min(most, max(1, block // 512))
+__all__ = ["FUSED_MAX_COLS", "softmax", "softmax_path", "softmax_ref", "softmax_streamed"]
 
 
 @triton.jit
-def softmax_row_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # 64-bit: row * stride may pass 2**31
+def softmax_row_kernel(
+    x_ptr, out_ptr, n_rows, n_cols, x_row_stride, out_row_stride,
+    BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    # rows past the end read the last row again (in bounds, no mask) and are not stored;
+    # 64-bit: row * stride may pass 2**31
+    rows_in = tl.minimum(rows, n_rows - 1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    col_ok = (cols < n_cols)[None, :]
     # masked lanes read -inf: exp(-inf - m) = 0, so they add nothing to the sum
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=float("-inf"))
-    x = x.to(tl.float32)
-    numerator = tl.exp(x - tl.max(x, axis=0))
-    out = numerator / tl.sum(numerator, axis=0)
-    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    x_ptrs = x_ptr + rows_in[:, None] * x_row_stride + cols[None, :]  # (BLOCK_ROWS, BLOCK)
+    x = tl.load(x_ptrs, mask=col_ok, other=float("-inf")).to(tl.float32)
+    numerator = tl.exp(x - tl.max(x, axis=1)[:, None])
+    out = numerator / tl.sum(numerator, axis=1)[:, None]
+    out_ptrs = out_ptr + rows_in[:, None] * out_row_stride + cols[None, :]
+    mask = col_ok & (rows < n_rows)[:, None]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def online_max_sum(x_row, start, end, BLOCK: tl.constexpr):
+    """(m, s) over x_row[start:end]: its max, and the sum of exp(x - m), read once in blocks.
+    A running max m (a scalar) and running sums d (one per lane): when the max grows from m to
+    m', the sums so far are rescaled by exp(m - m'), one exp per step, not per element. `safe`
+    stands in for a max of -inf (only -inf seen so far), where exp(-inf - (-inf)) would be NaN."""
+    cols = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    d = tl.zeros([BLOCK], tl.float32)
+    for col in range(start, end, BLOCK):
+        x = tl.load(x_row + col + cols, mask=col + cols < end, other=float("-inf"))
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp(m - safe) + tl.exp(x - safe)
+        m = m_new
+    return m, tl.sum(d, axis=0)
+
+
+@triton.jit
+def normalize(x_row, out_row, start, end, m, inv_sum, BLOCK: tl.constexpr):
+    """out_row[start:end] = exp(x - m) * inv_sum, in blocks: the second read of the input."""
+    cols = tl.arange(0, BLOCK)
+    for col in range(start, end, BLOCK):
+        mask = col + cols < end
+        x = tl.load(x_row + col + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        out = tl.exp(x - m) * inv_sum
+        tl.store(out_row + col + cols, out.to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -53,28 +89,46 @@ def softmax_streamed_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
-    out_row = out_ptr + row * out_row_stride
-    cols = tl.arange(0, BLOCK)
-    # Pass 1, online softmax: a running max m (a scalar) and running sums d (one per lane)
-    # of exp(x - m). When the max grows from m to m', the sums so far are rescaled by
-    # exp(m - m'): one exp per step, not per element. `safe` stands in for a max of -inf
-    # (only -inf seen so far), where exp(-inf - (-inf)) would be NaN.
-    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    d = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        mask = start + cols < n_cols
-        x = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d = d * tl.exp(m - safe) + tl.exp(x - safe)
-        m = m_new
-    inv_sum = 1.0 / tl.sum(d, axis=0)
-    # Pass 2: read the row again and write the normalized values.
-    for start in range(0, n_cols, BLOCK):
-        mask = start + cols < n_cols
-        x = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        out = tl.exp(x - m) * inv_sum
-        tl.store(out_row + start + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    m, s = online_max_sum(x_row, 0, n_cols, BLOCK)  # pass 1
+    normalize(x_row, out_ptr + row * out_row_stride, 0, n_cols, m, 1.0 / s, BLOCK)  # pass 2
+
+
+@triton.jit
+def softmax_partials_kernel(
+    x_ptr, max_ptr, sum_ptr, n_cols, x_row_stride, cols_per_split, BLOCK: tl.constexpr
+):
+    # program (row, piece): the piece's max and sum of exp(x - max), to (rows, splits) fp32
+    row = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    start = piece * cols_per_split
+    end = tl.minimum(start + cols_per_split, n_cols)
+    m, s = online_max_sum(x_ptr + row * x_row_stride, start, end, BLOCK)
+    at = row * tl.num_programs(1) + piece
+    tl.store(max_ptr + at, m)
+    tl.store(sum_ptr + at, s)
+
+
+@triton.jit
+def softmax_split_kernel(
+    x_ptr, out_ptr, max_ptr, sum_ptr, n_cols, x_row_stride, out_row_stride, cols_per_split,
+    BLOCK: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    splits = tl.num_programs(1)
+    # the row's partials, combined: m = max m_i, s = sum s_i exp(m_i - m) (every piece's
+    # program computes the same m and s, in the same order)
+    pieces = tl.arange(0, SPLITS_BLOCK)
+    ok = pieces < splits
+    maxima = tl.load(max_ptr + row * splits + pieces, mask=ok, other=float("-inf"))
+    sums = tl.load(sum_ptr + row * splits + pieces, mask=ok, other=0.0)
+    m = tl.max(maxima, axis=0)
+    safe = tl.where(m == float("-inf"), 0.0, m)  # a row of -inf: NaN below, as torch gives
+    s = tl.sum(sums * tl.exp(maxima - safe), axis=0)
+    start = piece * cols_per_split
+    end = tl.minimum(start + cols_per_split, n_cols)
+    x_row = x_ptr + row * x_row_stride
+    normalize(x_row, out_ptr + row * out_row_stride, start, end, m, 1.0 / s, BLOCK)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -83,30 +137,50 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(x: torch.Tensor, streamed: bool, block: int | None = None) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return out
-    x2, out2 = _rows(x), out.view(-1, x.shape[-1])
+def _launch(x: torch.Tensor, how: tuning.Plan) -> torch.Tensor:
+    x2, out = _rows(x), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, x.shape[-1])
     n_rows, n_cols = x2.shape
-    args = (x2, out2, n_cols, x2.stride(0), out2.stride(0))
-    if streamed:
-        block = block or min(STREAM_BLOCK, triton.next_power_of_2(n_cols))
-        launch(
-            softmax_streamed_kernel, (n_rows,), *args, BLOCK=block, num_warps=_num_warps(block, 16)
-        )
-    else:
-        block = triton.next_power_of_2(n_cols)
-        launch(softmax_row_kernel, (n_rows,), *args, BLOCK=block, num_warps=_num_warps(block, 32))
+    strides = (x2.stride(0), out2.stride(0))
+    if how.path in ("rows", "row"):
+        grid = (triton.cdiv(n_rows, how.rows_per_program),)
+        launch(softmax_row_kernel, grid, x2, out2, n_rows, n_cols, *strides,
+               BLOCK_ROWS=how.rows_per_program, BLOCK=how.block,
+               num_warps=how.num_warps)  # fmt: skip
+    elif how.path == "streamed":
+        launch(softmax_streamed_kernel, (n_rows,), x2, out2, n_cols, *strides,
+               BLOCK=how.block, num_warps=how.num_warps)  # fmt: skip
+    else:  # split: two passes through (rows, splits) partials
+        grid = (n_rows, how.splits)
+        maxima = torch.empty(grid, dtype=torch.float32, device=x.device)
+        sums = torch.empty_like(maxima)
+        launch(softmax_partials_kernel, grid, x2, maxima, sums, n_cols, strides[0],
+               how.cols_per_split, BLOCK=how.block, num_warps=how.num_warps)  # fmt: skip
+        launch(softmax_split_kernel, grid, x2, out2, maxima, sums, n_cols, *strides,
+               how.cols_per_split, BLOCK=how.block,
+               SPLITS_BLOCK=triton.next_power_of_2(how.splits),
+               num_warps=how.num_warps)  # fmt: skip
     return out
 
 
+def _softmax_path(x: torch.Tensor, path: str) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_cols = x.shape[-1]
+    return _launch(x, tuning.plan(x.numel() // n_cols, n_cols, path=path))
+
+
 def _softmax(x: torch.Tensor) -> torch.Tensor:
-    return _launch(x, streamed=x.shape[-1] > FUSED_MAX_COLS)
+    return _softmax_path(x, None)
 
 
 def _softmax_streamed(x: torch.Tensor, block: int | None) -> torch.Tensor:
-    return _launch(x, streamed=True, block=block)
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    how = tuning.plan(x.numel() // x.shape[-1], x.shape[-1], path="streamed")
+    if block is not None:
+        how = tuning.Plan("streamed", block, tuning.num_warps(block, 16))
+    return _launch(x, how)
 
 
 def _save_output(ctx, inputs, output):
@@ -132,8 +206,9 @@ softmax_streamed_op.register_autograd(_softmax_backward, setup_context=_save_out
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim of `x` (any leading dims), computed in fp32, returned in
-    x's dtype. Rows up to FUSED_MAX_COLS are read once; longer rows are streamed. The
-    operator torch.ops.brrr.softmax; differentiable."""
+    x's dtype. Rows up to FUSED_MAX_COLS are read once; longer rows are read twice, streamed
+    row by row or, when there are too few rows to fill the GPU, several programs per row
+    (kernels.softmax_tuning). The operator torch.ops.brrr.softmax; differentiable."""
     check_tensor("x", x, min_ndim=1)
     return softmax_op(x) if through_operator(x) else _softmax(x)
 
@@ -147,6 +222,16 @@ def softmax_streamed(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     if through_operator(x):
         return softmax_streamed_op(x, block)
     return _softmax_streamed(x, block)
+
+
+def softmax_path(x: torch.Tensor, path: str) -> torch.Tensor:
+    """softmax through one of kernels.softmax_tuning.PATHS ("rows", "row", "split",
+    "streamed") whatever the shape, to compare them (rows and row hold a whole row in
+    registers: mid-length rows at most); forward only."""
+    check_tensor("x", x, min_ndim=1)
+    if path not in tuning.PATHS:
+        raise ValueError(f"path must be one of {tuning.PATHS}, got {path!r}")
+    return _softmax_path(x, path)
 
 
 def softmax_ref(x: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,10 @@ import triton.testing
 from triton.runtime.errors import OutOfResources, PTXASError
 
 from kernels import split_k_tuning as tuning
-from kernels.batch_invariant.rows import add_combine
 from kernels.launch import launch
-from kernels.matmul import matmul_ref
+from kernels.matmul_reference import matmul_ref
 from kernels.operators import operator, through_operator
-from kernels.primitives import epilogue
+from kernels.primitives import add_combine, epilogue
 from kernels.runtime import INTERPRET
 from kernels.validate import check_matmul_inputs, input_precision
 
@@ -49,7 +48,7 @@ def split_k_metadata(grid, kernel, args) -> dict:
     partials = 4 * splits * M * N if parts.dim() == 3 else 0
     if "a_ptr" in args:  # the main kernel: reads a and b, writes partials or the output
         K, a, b = args["K"], args["a_ptr"], args["b_ptr"]
-        moved = M * K * a.element_size() + K * N * b.element_size() + extras
+        moved = M * a.shape[1] * a.element_size() + K * N * b.element_size() + extras
         moved += partials if partials else M * N * out.element_size()
         name, flops = f"{kernel.name} [M={M}, N={N}, K={K}, splits={splits}]", 2.0 * M * N * K
     else:  # the reduce: reads partials, writes the output
@@ -67,6 +66,18 @@ def scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE: tl.constexpr,
     return epilogue(acc, bias_ptr, cols, N, HAS_BIAS, ACTIVATION)
 
 
+@triton.jit
+def load_a(a_ptrs, mask, K, stride_ak, GATED: tl.constexpr):
+    """A tile of a; GATED: silu(gate) * up from a (M, 2K) holding gate then up, rounded to a's
+    dtype as the separate kernel would store it (kernels.decode.silu_mul), so that SwiGLU's
+    product feeds the down projection without a launch or a round trip through memory."""
+    if GATED:
+        gate = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(a_ptrs + K * stride_ak, mask=mask, other=0.0).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate)) * up).to(a_ptrs.dtype.element_ty)
+    return tl.load(a_ptrs, mask=mask, other=0.0)
+
+
 # M is not specialized: Triton would compile other code for M == 1 or M % 16 == 0, and one
 # kernel for every M is the point (kernels.batch_invariant.full_k_matmul does the same).
 @triton.jit(do_not_specialize=["M"], launch_metadata=split_k_metadata)
@@ -75,7 +86,7 @@ def split_k_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     DIRECT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Row tiles vary fastest: the programs that share a slab of b (a decode weight) run together
     # and read it from DRAM once.
@@ -102,11 +113,11 @@ def split_k_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # this piece of K, in order
         if EVEN_K:  # K a multiple of BLOCK_K, so is every piece: no masks along K
-            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+            a = load_a(a_ptrs, row_ok, K, stride_ak, GATED)
             b = tl.load(b_ptrs)
         else:
             k_ok = ks < k_end - k0
-            a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+            a = load_a(a_ptrs, row_ok & k_ok[None, :], K, stride_ak, GATED)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         b = b.to(a.dtype)  # int8 weights: exact in fp16/bf16/fp32 (|q| <= 127)
         if USE_DOT:
@@ -149,9 +160,10 @@ def split_k_reduce_kernel(
     tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _run(a, b, plan, scale=None, bias=None, activation=None) -> torch.Tensor:
-    """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0."""
-    (M, K), N = a.shape, b.shape[1]
+def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> torch.Tensor:
+    """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0; gated: a is (M, 2K),
+    gate then up, and the product is silu(gate) * up @ b."""
+    M, K, N = a.shape[0], b.shape[0], b.shape[1]
     tile = plan.tile
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     parts = out  # stands in when there is one piece
@@ -168,7 +180,8 @@ def _run(a, b, plan, scale=None, bias=None, activation=None) -> torch.Tensor:
         a, b, out, parts, scale, bias, M, N, K, plan.k_per_split,
         *a.stride(), *b.stride(), *out.stride(),
         DIRECT=plan.splits == 1, EVEN_K=K % tile.BLOCK_K == 0,
-        INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, **flags, **meta,
+        INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
+        **flags, **meta,
     )  # fmt: skip
     if plan.splits > 1:
         block_m = min(16, triton.next_power_of_2(M))
@@ -188,29 +201,31 @@ def _with_splits(plan, K: int, splits: int):
     return tuning.Plan(plan.tile, triton.cdiv(steps, per), per * plan.tile.BLOCK_K)
 
 
-def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None):
+def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False):
     """act(a @ b * scale + bias) for validated operands through the plan that
     kernels.split_k_tuning picks for (kind, N, K, the dtypes, the device): the launcher behind
-    matmul_split_k, kernels.gemv.linear and kernels.int8.linear."""
-    (M, K), N = a.shape, b.shape[1]
+    matmul_split_k, kernels.gemv.linear, kernels.int8.linear and (gated: a is (M, 2K), the
+    product is silu(gate) * up @ b) kernels.decode.swiglu_linear."""
+    M, K, N = a.shape[0], b.shape[0], b.shape[1]
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     if K == 0:  # an empty sum: zeros, then the epilogue
-        return matmul_ref(a, b.to(a.dtype), bias, activation)
-    key = (a.dtype, b.dtype, a.device.index, input_precision(a.dtype))
+        return matmul_ref(a[:, :0], b.to(a.dtype), bias, activation)
+    key = (a.dtype, b.dtype, a.device.index, input_precision(a.dtype), gated)
 
     def time_plan(candidate, rows):  # a fresh a of `rows` rows, the caller's b, scale, bias
-        x = torch.randn((rows, K), device=a.device).to(a.dtype)
-        run = lambda: _run(x, b, candidate, scale, bias, activation)
+        x = torch.randn((rows, a.shape[1]), device=a.device).to(a.dtype)
+        run = lambda: _run(x, b, candidate, scale, bias, activation, gated)
         try:  # short runs: a ranking, not a measurement (bench.time_ms takes 4x longer)
             return triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
         except (OutOfResources, PTXASError):  # a tile too large for this GPU never wins
             return float("inf")
 
-    plan = tuning.plan(kind, N, K, key, time_plan)
+    timed = N * K * b.element_size() >= tuning.TIMED_FROM_BYTES
+    plan = tuning.plan(kind, N, K, key, time_plan if timed else None)
     if splits is not None:
         plan = _with_splits(plan, K, splits)
-    return _run(a, b, plan, scale, bias, activation)
+    return _run(a, b, plan, scale, bias, activation, gated)
 
 
 def check_splits(splits):

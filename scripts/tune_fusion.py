@@ -363,12 +363,14 @@ def _softmax_shape(run, n):
     verify = partial(check.compare, out, softmax.softmax_ref(x.double()), op="reduction")
     nbytes = 2 * x.numel() * x.element_size()
     args = (x, out, n, n, n)
+    row_args = (x, out, m, n, n, n)  # the row kernel also takes the row count
     candidates = {}
     if n <= s.softmax_row_max:
         for warps in s.softmax_row_warps:
             candidates[f"row w{warps}"] = partial(
                 softmax.softmax_row_kernel[(m,)],
-                *args,
+                *row_args,
+                BLOCK_ROWS=1,
                 BLOCK=triton.next_power_of_2(n),
                 num_warps=warps,
             )

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 
 from kernels import bench  # noqa: E402
 from kernels.runtime import ON_GPU  # noqa: E402
+from kernels.softmax_tuning import PATHS  # noqa: E402
 
 H200 = {"copy_gbps": 4240.0, "matmul_tflops": {"bf16": 750.0, "fp16": 750.0, "fp32": 65.0}}
 
@@ -182,6 +183,7 @@ def test_the_registry_names_each_chapters_benchmarks_in_order():
         "batch_invariant",
         "overhead",
         "decode",
+        "shapes",
     ]
     modules = {name: fn.__module__ for name, fn in benchmarks.BENCHMARKS.items()}
     assert modules["regimes"] == "kernels.benchmarks.regimes"
@@ -190,6 +192,7 @@ def test_the_registry_names_each_chapters_benchmarks_in_order():
     assert modules["batch_invariant"] == "kernels.benchmarks.batch_invariant"
     assert modules["decode"] == "kernels.benchmarks.decode"
     assert modules["overhead"] == "kernels.benchmarks.overhead"
+    assert modules["shapes"] == "kernels.benchmarks.shapes"
     assert {modules[n] for n in ("add", "fusion", "softmax", "norm_backward")} == {
         "kernels.benchmarks.fusion"
     }
@@ -360,3 +363,29 @@ def test_the_launch_ladder_has_every_rung_and_the_cached_launch_is_lighter():
     keyed = rungs["cached launch, call-site key alone"]
     assert rungs["C launcher alone (arguments ready)"] < keyed < rungs["Triton kernel[grid] alone"]
     assert len(overhead.rows(result)) == len(rungs)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU sizes")
+def test_the_shapes_rows_small_on_a_cpu(monkeypatch):
+    from kernels import benchmarks
+    from kernels.benchmarks import shapes
+
+    monkeypatch.setattr(bench, "time_ms", _one_call_ms)  # the rows' making, not their timings
+    rows = benchmarks.run(["shapes"], ceilings=H200)["rows"]
+    softmax_rows = [r for r in rows if r["name"].startswith("softmax sweep")]
+    assert len(softmax_rows) == len(shapes.softmax_sizes())
+    assert [r["name"] for r in rows[len(softmax_rows) :]] == [
+        *(f"matmul shapes fp32 {m}x{n}x{k}" + " Wt" * w for m, n, k, w in shapes.MATMUL_SHAPES),
+        "bias_gelu fp32 64x256",
+    ]
+    assert all(r["ms"] > 0 and r["rate"] > 0 for r in rows)
+    assert [r["unit"] for r in rows] == ["GB/s"] * len(softmax_rows) + ["TFLOP/s"] * 3 + ["GB/s"]
+    # each softmax row times every path that can hold its rows, and torch's
+    assert set(softmax_rows[0]["baselines"]) == {"torch"} | {f"path {p}" for p in PATHS}
+    assert set(rows[-1]["baselines"]) == {"torch", "x.clone()"}
+
+
+def _one_call_ms(fn, *args, **kwargs):
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return (time.perf_counter() - start) * 1e3

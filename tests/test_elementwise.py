@@ -1,10 +1,13 @@
 import pytest
 import torch
+import triton
+import triton.language as tl
 from params import DTYPES
 
 from kernels import check
 from kernels.elementwise import BLOCK_SIZE, add, add_ref, bias_gelu, bias_gelu_ref
-from kernels.runtime import DEVICE
+from kernels.primitives import gelu_fast
+from kernels.runtime import DEVICE, ON_GPU
 
 # the odd sizes, one block plus and minus one, and leading dims
 SHAPES = [(n,) for n in sorted({*check.ODD_SIZES, BLOCK_SIZE - 1, BLOCK_SIZE + 1})]
@@ -64,3 +67,65 @@ def test_bad_inputs_get_clear_errors():
     elsewhere = torch.empty(4, 8, device="meta")
     with pytest.raises(ValueError, match=f"is on meta but the kernels run on {DEVICE.type}"):
         add(elsewhere, elsewhere)
+
+
+# --- the GELU of fp16 and bf16 outputs: the tanh form, over every value of the dtype ---------
+def _bias_gelu_alone(x):
+    return bias_gelu(x.view(-1, 1), torch.zeros(1, dtype=x.dtype, device=x.device)).view(-1)
+
+
+@triton.jit
+def _gelu_fast_fp32_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, gelu_fast(x), mask=offsets < n)
+
+
+def _gelu_fast_rounded(x):
+    """gelu_fast in fp32 (stored as fp32), rounded to x's dtype by torch, to nearest even, as
+    the GPU's store rounds: the interpreter's own bf16 conversion truncates."""
+    x32 = x.float()
+    out = torch.empty_like(x32)
+    _gelu_fast_fp32_kernel[(triton.cdiv(x32.numel(), 1024),)](x32, out, x32.numel(), BLOCK=1024)
+    return out.to(x.dtype)
+
+
+def _gelu_in_dtype(x):
+    return torch.nn.functional.gelu(x)
+
+
+GELU_CASES = [
+    pytest.param(torch.float16, _bias_gelu_alone, id="fp16-bias_gelu"),
+    pytest.param(torch.bfloat16, _gelu_fast_rounded, id="bf16-gelu_fast-rounded"),
+    pytest.param(torch.bfloat16, _bias_gelu_alone, id="bf16-bias_gelu", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's exp2 overflows to inf, as wanted
+@pytest.mark.parametrize("dtype, fn", GELU_CASES)
+def test_fast_gelu_over_every_value_is_within_tolerance_and_twice_torchs_error(dtype, fn):
+    if fn is _gelu_fast_rounded and ON_GPU:
+        pytest.skip("the CPU's stand-in for the bf16 kernel: the GPU case runs the kernel")
+    exact = torch.nn.functional.gelu  # fp64: the reference
+    err = check.every_value_error(fn, _gelu_in_dtype, exact, dtype, op="elementwise")
+    assert err["ours"] < 1, err  # within the tolerance table
+    assert err["ours"] <= 2 * err["torch"], err
+
+
+def test_fp32_keeps_the_exact_gelu():
+    x = torch.linspace(-8, 8, 4001, device=DEVICE).view(-1, 1)
+    out = bias_gelu(x, torch.zeros(1, device=DEVICE))
+    exact = torch.nn.functional.gelu(x.double())
+    assert (out.double() - exact).abs().max() < 1e-6  # the tanh form is off by up to 4.7e-4
+
+
+def test_tolerance_units_and_every_value():
+    ref = torch.tensor([1.0, 100.0, float("inf")], dtype=torch.float64)
+    out = ref + torch.tensor([2e-5, 0.0, 0.0], dtype=torch.float64)
+    units = check.tolerance_units(out, ref, op="elementwise", dtype=torch.float32)
+    assert units == pytest.approx(1.0)  # 2e-5 against fp32's 1e-5 + 1e-5 * |1|
+    nan_where_finite = torch.tensor([float("nan"), 100.0, 1.0])
+    assert check.tolerance_units(nan_where_finite, ref, op="elementwise") == float("inf")
+    assert check.every_value(torch.float16).unique().numel() == 63488 - 1  # +0 and -0 equal
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        check.every_value(torch.float32)

@@ -159,3 +159,85 @@ def test_large_k_on_the_gpu():
     a, b = operands(256, 256, 65536, torch.bfloat16, seed=14)
     check_split_k(a, b)
     assert_rows_invariant(lambda t: matmul_split_k(t, b), a[:40], batches=range(1, 41))
+
+
+# --- kernels.matmul routes small outputs with a long K here (matmul_tuning.plan) -------------
+@pytest.fixture
+def routed(monkeypatch):
+    """matmul_tuning's thresholds lowered so that small CPU shapes take split-K; records each
+    product() that kernels.matmul calls."""
+    from kernels import matmul_tuning
+    from kernels import split_k as split_k_module
+
+    monkeypatch.setattr(matmul_tuning, "_plans", {})
+    monkeypatch.setattr(matmul_tuning, "SPLIT_K_MIN_K", 256)
+    calls = []
+    real = split_k_module.product
+    monkeypatch.setattr(
+        split_k_module, "product", lambda *a, **kw: calls.append(kw["kind"]) or real(*a, **kw)
+    )
+    return calls
+
+
+def test_matmul_routes_a_few_tiles_with_a_long_k(monkeypatch):
+    from kernels import matmul_tuning as mt
+
+    monkeypatch.setattr(mt, "_plans", {})
+    monkeypatch.setattr(mt, "processors", lambda: 132)  # an H200's SMs
+    meta = lambda *shape: torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    routes = lambda m, n, k, kernel=None: mt.plan(meta(m, k), meta(k, n), kernel).split_k
+    assert routes(256, 256, 524288)  # 4 tiles for 132 SMs (KernelBench's "large K")
+    assert routes(1024, 1024, 16384)  # 64 tiles: at most half the SMs
+    assert not routes(1024, 1152, 16384)  # 72 tiles: more than half
+    assert not routes(256, 256, 16383)  # K too short to be worth a second kernel
+    assert not routes(32768, 32768, 64) and not routes(4096, 4096, 14336)
+    assert not routes(256, 256, 524288, "pointers")  # a chosen kernel is that kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 300), (33, 40, 1000), (17, 65, 257)], ids=str)
+def test_routed_matmul_matches_fp64_reference(shape, dtype, routed):
+    from kernels.matmul import matmul, matmul_ref
+
+    a, b = operands(*shape, dtype, seed=15)
+    bias = check.random_tensor(shape[1:2], dtype, seed=16)
+    for activation in (None, "gelu"):
+        r = check.against_fp64(
+            matmul, a, b, bias, activation, ref=matmul_ref, op="matmul", baseline=torch_same_dtype
+        )
+        assert r.ok, r.message
+    assert routed == ["matmul", "matmul"]
+
+
+def test_routed_matmul_gradients(routed):
+    from kernels.matmul import matmul
+
+    a, b = operands(9, 20, 400, torch.float32, seed=17)
+    a.requires_grad_(), b.requires_grad_()
+    dy = check.random_tensor((9, 20), seed=18)
+    grads = torch.autograd.grad(matmul(a, b, activation="gelu"), (a, b), dy)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    out64 = torch.nn.functional.gelu(a64 @ b64)
+    for got, want in zip(grads, torch.autograd.grad(out64, (a64, b64), dy.double()), strict=True):
+        check.assert_close(got, want, op="matmul")
+    assert routed[0] == "matmul"  # the forward; the gradients' products have short K or wide N
+
+
+def test_the_batch_invariant_matmul_never_splits_k(routed):
+    from kernels import batch_invariant
+
+    a, b = operands(33, 40, 1000, torch.float32, seed=19)
+    r = check.against_fp64(batch_invariant.matmul, a, b, ref=matmul_split_k_ref, op="matmul")
+    assert r.ok, r.message
+    assert routed == []  # Chapter 5: a split chosen from the output's size would follow M
+
+
+@pytest.mark.gpu
+def test_gpu_matmul_takes_split_k_at_large_k():
+    from kernels import matmul_tuning as mt
+    from kernels.matmul import matmul, matmul_ref
+
+    a, b = operands(256, 256, 131072, torch.bfloat16, seed=20)
+    assert mt.plan(a, b).split_k  # 4 tiles for 132 SMs, K past SPLIT_K_MIN_K
+    r = check.against_fp64(matmul, a, b, ref=matmul_ref, op="matmul", baseline=torch_same_dtype)
+    assert r.ok, r.message

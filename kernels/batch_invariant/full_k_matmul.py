@@ -30,7 +30,7 @@ from kernels.validate import check_matmul_inputs, input_precision
 # position in the block (rows 0-5 and 6-11 take different code paths). So the kernels here
 # take USE_DOT=False under the interpreter and sum the products over K explicitly, in
 # order. (Written out in each kernel: the interpreter pays milliseconds for every call of a
-# @jit helper; see add_combine in kernels/batch_invariant/rows.py.)
+# @jit helper; see add_combine in kernels/primitives.py.)
 
 # One configuration per dtype, for every M (the point of this kernel). On the GPU, 128x256x64
 # with 8 warps and 3 stages is a strong tile for large bf16/fp16 matmuls on Hopper; fp32 takes

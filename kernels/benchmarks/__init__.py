@@ -24,6 +24,7 @@ from kernels.benchmarks.matmul import bench_matmul
 from kernels.benchmarks.overhead import bench_overhead
 from kernels.benchmarks.regimes import bench_regimes
 from kernels.benchmarks.rows import row
+from kernels.benchmarks.shapes import bench_shapes
 
 __all__ = [
     "BENCHMARKS",
@@ -47,6 +48,7 @@ BENCHMARKS = {
     "batch_invariant": bench_batch_invariant,
     "overhead": bench_overhead,
     "decode": bench_decode,
+    "shapes": bench_shapes,
 }
 
 # Recorded rows that may pass their measured ceiling, and why, from each chapter's module:

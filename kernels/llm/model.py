@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import batch_invariant, decode, gemv
 from kernels.llm import ops
 from kernels.llm.config import ModelConfig
 
@@ -62,6 +63,26 @@ def project(x, linear: nn.Linear, backend):
     return ops.linear(x, linear.weight, backend, getattr(linear, "scale", None))
 
 
+def fused_weight(block: nn.Module, names: tuple[str, ...]):
+    """The weights (and int8 scales) of `names` stacked along their output rows: one GEMV
+    reads them all (q, k and v; gate and up). Built on first use and kept on the block, rebuilt
+    when a weight is replaced (kernels.llm.quant, a load)."""
+    linears = [getattr(block, n) for n in names]
+    key = tuple((lin.weight.data_ptr(), lin.weight.dtype) for lin in linears)
+    kept = block.__dict__.setdefault("_fused", {})
+    if kept.get(names, (None,))[0] != key:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        scales = [getattr(lin, "scale", None) for lin in linears]
+        scale = None if scales[0] is None else torch.cat(scales)
+        kept[names] = (key, weight, scale)
+    return kept[names][1:]
+
+
+def fused_project(x, block, names):
+    weight, scale = fused_weight(block, names)
+    return ops.linear(x, weight, "kernels", scale)
+
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -91,35 +112,60 @@ class Block(nn.Module):
             h = self.attn_norm(x, backend)  # (B, S, D)
         else:
             h, x = ops.add_rms_norm(delta, x, self.attn_norm.weight, c.norm_eps, backend)
-        q = project(h, self.wq, backend).view(B, S, c.n_heads, c.head_dim)
-        k = project(h, self.wk, backend).view(B, S, c.n_kv_heads, c.head_dim)
-        v = project(h, self.wv, backend).view(B, S, c.n_kv_heads, c.head_dim)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, S, hd)
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        if cache is None:  # full sequence: causal over the S positions given
-            y = ops.attention(q, k, v, None, backend)
-        else:  # write the new keys first, then attend over the cache: (B, H, S, hd)
+        # The course's backend fuses what it can (kernels.decode): one GEMV for q, k and v, one
+        # kernel that rotates q and k and writes k and v into the cache, one GEMV for gate and
+        # up and one kernel for SwiGLU's product. Not in batch_invariant_mode: its ops are the
+        # Chapter 5 kernels, called one by one.
+        fused = backend == "kernels" and not batch_invariant.enabled()
+        if fused and cache is not None:  # the new keys and values go into the cache directly
             k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
-            if start is not None:  # rows 0..B-1 at one position: slices, no index tensors
-                k_cache[:, :, start : start + S] = k
-                v_cache[:, :, start : start + S] = v
-                keys, values = k_cache[:, :, : start + S], v_cache[:, :, : start + S]
-                y = ops.attention(q, keys, values, None, backend)  # causal, aligned to the end
-            else:
-                # advanced indices around a slice put their dims first: (B, S, Hkv, hd)
-                k_cache[rows[:, None], :, pos] = k.transpose(1, 2)
-                v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
-                if gather:  # a server's running rows: a copy, (B, Hkv, length, hd)
-                    keys, values = k_cache[rows, :, :length], v_cache[rows, :, :length]
-                else:  # every row in order: a view, no copy
-                    keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
-                y = ops.attention(q, keys, values, kv_lens, backend)
+            qkv = fused_project(h, self, ("wq", "wk", "wv"))  # (B, S, (H + 2 Hkv) * hd)
+            q = decode.rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos,
+                                 c.n_heads, c.n_kv_heads)  # (B, H, S, hd) # fmt: skip
+            y = self.attend(q, cache, backend)
+        else:
+            q = project(h, self.wq, backend).view(B, S, c.n_heads, c.head_dim)
+            k = project(h, self.wk, backend).view(B, S, c.n_kv_heads, c.head_dim)
+            v = project(h, self.wv, backend).view(B, S, c.n_kv_heads, c.head_dim)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, S, hd)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            if cache is None:  # full sequence: causal over the S positions given
+                y = ops.attention(q, k, v, None, backend)
+            else:  # write the new keys first, then attend over the cache: (B, H, S, hd)
+                k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
+                if start is not None:  # rows 0..B-1 at one position: slices, no index tensors
+                    k_cache[:, :, start : start + S] = k
+                    v_cache[:, :, start : start + S] = v
+                else:  # advanced indices around a slice put their dims first: (B, S, Hkv, hd)
+                    k_cache[rows[:, None], :, pos] = k.transpose(1, 2)
+                    v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
+                y = self.attend(q, cache, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
         h, x = ops.add_rms_norm(project(y, self.wo, backend), x, self.mlp_norm.weight,
                                 c.norm_eps, backend)  # fmt: skip
-        gate = project(h, self.w_gate, backend)  # (B, S, F)
-        up = project(h, self.w_up, backend)
-        return x, project(F.silu(gate) * up, self.w_down, backend)  # SwiGLU
+        if not fused:
+            act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
+            return x, project(act, self.w_down, backend)  # SwiGLU
+        gate_up = fused_project(h, self, ("w_gate", "w_up"))  # (B, S, 2F)
+        if B * S <= gemv.MAX_ROWS:  # decode: SwiGLU's product inside the down GEMV's loads
+            w_down, scale = self.w_down.weight, getattr(self.w_down, "scale", None)
+            down = decode.swiglu_linear(gate_up.view(B * S, -1), w_down, scale)
+            return x, down.view(B, S, c.d_model)
+        return x, project(decode.silu_mul(gate_up), self.w_down, backend)
+
+    @staticmethod
+    def attend(q, cache, backend):
+        """q (B, H, S, hd) over the cache, its new keys written: (B, H, S, hd)."""
+        k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
+        S = q.shape[2]
+        if start is not None:  # rows 0..B-1 at one position: slices, no index tensors
+            keys, values = k_cache[:, :, : start + S], v_cache[:, :, : start + S]
+            return ops.attention(q, keys, values, None, backend)  # causal, aligned to the end
+        if gather:  # a server's running rows: a copy, (B, Hkv, length, hd)
+            keys, values = k_cache[rows, :, :length], v_cache[rows, :, :length]
+        else:  # every row in order: a view, no copy
+            keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
+        return ops.attention(q, keys, values, kv_lens, backend)
 
 
 class Transformer(nn.Module):

@@ -93,8 +93,10 @@ def _done(request, stop_ids) -> bool:
 
 def _sample(requests, logits, bar):
     """Greedy: each request gets its most likely token (the first of equals) and its log p."""
-    tokens = torch.argmax(logits, dim=-1)  # (B,): on the logits, whose near-ties log p rounds away
-    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    tokens = torch.argmax(logits, dim=-1)  # (B,)
+    # log p in fp32, as an RL trainer keeps them: in bf16 they would round away the small
+    # differences that the sampler-vs-trainer check is there to see
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     for request, token, logprob in zip(requests, tokens.tolist(), chosen.tolist(), strict=True):
         request.tokens.append(token)
@@ -125,7 +127,7 @@ def score(model, request: Request) -> list:
     sequence = torch.tensor([prompt + answer[:-1]], device=model.embed.weight.device)
     with torch.no_grad():
         logits = model(sequence)[0, len(prompt) - 1 :]  # (answer, V)
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # fp32, as the sampler's
     return logprobs.gather(1, torch.tensor(answer, device=logits.device)[:, None])[:, 0].tolist()
 
 

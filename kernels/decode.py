@@ -1,0 +1,198 @@
+"""Two small fused kernels that a decoding step needs besides its GEMVs, norms and attention
+(Chapter 6, v2): each replaces a chain of torch ops that a step would otherwise launch once per
+layer.
+
+rotary_kv(qkv, ...): one fused q/k/v projection's output (B, S, (H + 2 Hkv) * hd) in, the
+  rotated queries out as (B, H, S, hd), and the rotated keys and the values written straight
+  into the KV cache at each token's position. In torch's ops that is a transpose, two
+  rotations of five kernels each (two multiplies, a negate, a concatenation, an add), two cache
+  writes and their copies: about a dozen launches a layer for a few kilobytes of data.
+silu_mul(gate_up): SwiGLU's silu(gate) * up from one fused gate/up projection (M, 2F) -> (M, F),
+  one kernel where torch launches two.
+swiglu_linear(gate_up, w_down): the same product computed while the down projection's GEMV
+  loads its input (kernels.split_k's GATED tiles), bit for bit what silu_mul then
+  kernels.gemv.linear give, with one launch fewer: a decode step's rows only (M <= 64).
+
+Rotary here is rotate_half's (dimension i pairs with i + hd/2, as kernels.llm.model.rotary):
+  out[i]        = x[i] cos[i] - x[i + hd/2] sin[i]
+  out[i + hd/2] = x[i + hd/2] cos[i + hd/2] + x[i] sin[i + hd/2]
+computed in fp32 and rounded once to the cache's dtype (torch's chain rounds after each op).
+
+Bytes: each reads its input once and writes its output once (rotary_kv also reads cos and sin,
+2 * S * hd per row): memory-bound and tiny at decode, so what they save is launches, not bytes.
+Forward only; not registered as operators (rotary_kv writes into the cache it is given): they
+are the model's, called by kernels.llm.model on the course's backend.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gemv, int8
+from kernels.launch import launch
+from kernels.split_k import product
+from kernels.validate import check_tensor
+
+
+@triton.jit
+def rotary_kv_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, pos_ptr,
+    S, H, HKV, stride_cb, stride_ch, stride_ct,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One program per (token, head); heads 0..H-1 are queries, then Hkv keys, then Hkv values.
+    token = tl.program_id(0)  # b * S + s
+    head = tl.program_id(1)
+    b = token // S
+    s = token % S
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    src = qkv_ptr + token.to(tl.int64) * (H + 2 * HKV) * (2 * HALF) + head * (2 * HALF)
+    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+    if head < H + HKV:  # queries and keys turn; values do not
+        angle = token.to(tl.int64) * (2 * HALF)
+        c1 = tl.load(cos_ptr + angle + i, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + angle + HALF + i, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + angle + i, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + angle + HALF + i, mask=m, other=0.0).to(tl.float32)
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    else:
+        y1 = x1
+        y2 = x2
+    if head < H:  # q (B, H, S, hd), contiguous
+        dst = q_ptr + ((b.to(tl.int64) * H + head) * S + s) * (2 * HALF)
+    else:  # this row's cache row, at this token's position
+        row = tl.load(rows_ptr + b)
+        at = tl.load(pos_ptr + token)
+        kv_head = head - H
+        cache = k_cache_ptr
+        if head >= H + HKV:
+            kv_head = head - H - HKV
+            cache = v_cache_ptr
+        dst = cache + row * stride_cb + kv_head * stride_ch + at * stride_ct
+    tl.store(dst + i, y1.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + HALF + i, y2.to(q_ptr.dtype.element_ty), mask=m)
+
+
+def check_rotary_kv_inputs(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads):
+    check_tensor("qkv", qkv, ndim=3)
+    B, S, width = qkv.shape
+    Bc, Hkv, T, hd = k_cache.shape
+    if n_kv_heads != Hkv or width != (n_heads + 2 * n_kv_heads) * hd or hd % 2:
+        raise ValueError(
+            f"qkv (B, S, (H + 2 Hkv) * hd) = {tuple(qkv.shape)} does not match {n_heads} query "
+            f"heads and a cache of {tuple(k_cache.shape)} (Bc, Hkv, T, hd) with an even hd"
+        )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape != k_cache.shape or t.stride() != k_cache.stride() or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a (Bc, Hkv, T, hd) tensor with unit-stride hd, "
+                             "the two caches alike")  # fmt: skip
+        if t.dtype != qkv.dtype or t.device != qkv.device:
+            raise ValueError(f"{name} must have qkv's dtype and device")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.numel() != B * S * hd or not t.is_contiguous() or t.device != qkv.device:
+            raise ValueError(f"{name} must be a contiguous (B, 1, S, hd) tensor on qkv's device")
+    if rows.shape != (B,) or pos.shape != (B, S) or rows.dtype != torch.int64:
+        raise ValueError(f"rows must be (B,) and pos (B, S) int64, got {tuple(rows.shape)}, "
+                         f"{tuple(pos.shape)}")  # fmt: skip
+    if not qkv.is_contiguous() or not pos.is_contiguous() or pos.dtype != torch.int64:
+        raise ValueError("qkv and pos must be contiguous, pos int64")
+
+
+def rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int):
+    """Rotate q and k of a fused projection qkv (B, S, (H + 2 Hkv) * hd) by cos and sin
+    (B, 1, S, hd); write k and v into k_cache, v_cache (Bc, Hkv, T, hd) at row rows[b] (B,),
+    position pos[b, s] (B, S); return q (B, H, S, hd). Positions must lie inside the cache
+    (the model checks that before the step)."""
+    check_rotary_kv_inputs(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
+    B, S, _ = qkv.shape
+    hd = k_cache.shape[-1]
+    q = torch.empty((B, n_heads, S, hd), dtype=qkv.dtype, device=qkv.device)
+    if B * S == 0:
+        return q
+    grid = (B * S, n_heads + 2 * n_kv_heads)
+    launch(rotary_kv_kernel, grid,
+           qkv, cos, sin, q, k_cache, v_cache, rows, pos, S, n_heads, n_kv_heads,
+           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+           HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))  # fmt: skip
+    return q
+
+
+def rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int):
+    """The same in fp64 torch ops, writing into the caches (in their dtype) and returning q."""
+    B, S, _ = qkv.shape
+    hd = k_cache.shape[-1]
+    x = qkv.double().view(B, S, n_heads + 2 * n_kv_heads, hd).transpose(1, 2)  # (B, nh, S, hd)
+    c, s = cos.double().view(B, 1, S, hd), sin.double().view(B, 1, S, hd)
+    x1, x2 = x.chunk(2, dim=-1)
+    turned = x * c + torch.cat([-x2, x1], dim=-1) * s
+    q, k = turned[:, :n_heads], turned[:, n_heads : n_heads + n_kv_heads]
+    v = x[:, n_heads + n_kv_heads :]
+    k_cache[rows[:, None], :, pos] = k.transpose(1, 2).to(k_cache.dtype)  # (B, S, Hkv, hd)
+    v_cache[rows[:, None], :, pos] = v.transpose(1, 2).to(v_cache.dtype)
+    return q.to(qkv.dtype)
+
+
+@triton.jit
+def silu_mul_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < F
+    gate = tl.load(gu_ptr + row * 2 * F + cols, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * 2 * F + F + cols, mask=m, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * F + cols, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up (..., 2F) holding gate then up: (..., F), in fp32 inside,
+    output in gate_up's dtype."""
+    check_tensor("gate_up", gate_up)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"gate_up's last dim must be 2F (gate, then up), got {tuple(gate_up.shape)}"
+        )
+    if not gate_up.is_contiguous():
+        gate_up = gate_up.contiguous()
+    F = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], F))
+    rows = gate_up.numel() // max(2 * F, 1)
+    if out.numel() == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(F))
+    launch(silu_mul_kernel, (rows, triton.cdiv(F, block)), gate_up, out, F, BLOCK=block)
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T for gate_up (M, 2F), gate then up, and weight (N, F): the
+    decode GEMV (kernels.gemv.linear; with `scale`, an int8 weight as kernels.int8.linear) with
+    SwiGLU's product formed as it loads its input. Output (M, N) in gate_up's dtype."""
+    check_tensor("gate_up", gate_up, ndim=2)
+    if gate_up.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(
+            f"gate_up (M, 2F) must have twice weight's F columns: gate_up "
+            f"{tuple(gate_up.shape)}, weight {tuple(weight.shape)} (N, F)"
+        )
+    up = gate_up[:, weight.shape[1] :]  # stands in for the checks: the kernel's input is (M, F)
+    if scale is None:
+        gemv.check_linear_inputs(up, weight, None)
+        return product(gate_up, weight.t(), kind="gemv", gated=True)
+    int8.check_int8_inputs(up, weight, scale, None)
+    return product(gate_up, weight.t(), kind="int8", scale=scale.contiguous(), gated=True)
+
+
+def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
+    """silu_mul then the GEMV's reference, in fp64 (the product rounded to gate_up's dtype
+    first, as the kernel rounds it)."""
+    act = silu_mul_ref(gate_up)
+    if scale is not None:
+        return int8.linear_ref(act, weight, scale)
+    return gemv.linear_ref(act, weight)

@@ -1,0 +1,131 @@
+"""kernels.decode: the rotary + KV-cache write and SwiGLU's product, against fp64 torch ops, and
+the model's fused path (one GEMV for q, k, v and one for gate, up) against its unfused one."""
+
+import pytest
+import torch
+from params import DTYPES
+
+from kernels import check, decode
+from kernels.runtime import DEVICE
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def rotary_case(B, S, H, Hkv, hd, T, dtype, shuffled, seed=0):
+    """Inputs for rotary_kv: a cache of B + 2 rows, rows shuffled or in order, each row at its
+    own positions; cos and sin of real rotary angles."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = check.random_tensor((B, S, (H + 2 * Hkv) * hd), dtype, seed=seed)
+    starts = torch.randint(0, T - S + 1, (B,), generator=g)
+    pos = starts[:, None] + torch.arange(S)  # (B, S)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    angles = pos[..., None].float() * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, S, hd)
+    rows = torch.randperm(B + 2, generator=g)[:B] if shuffled else torch.arange(B)
+    cache = check.random_tensor((B + 2, Hkv, T, hd), dtype, seed=seed + 1)
+    to = dict(device=DEVICE)
+    return (qkv, angles.cos().to(dtype).to(**to), angles.sin().to(dtype).to(**to), cache,
+            cache.clone() + 1, rows.to(**to), pos.to(**to), H, Hkv)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 3, 1, 64, 9), (3, 5, 4, 2, 6, 11), (2, 1, 9, 3, 34, 5)], ids=str
+)
+@pytest.mark.parametrize("shuffled", [False, True], ids=["rows-in-order", "rows-shuffled"])
+def test_rotary_kv_matches_fp64_and_writes_only_the_new_positions(shape, dtype, shuffled):
+    args = rotary_case(*shape, dtype, shuffled)
+    qkv, cos, sin, k_cache, v_cache, rows, pos, H, Hkv = args
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref = decode.rotary_kv_ref(qkv, cos, sin, k_ref, v_ref, rows, pos, H, Hkv)
+    q = decode.rotary_kv(*args)
+    tol = TOL[dtype]
+    assert q.shape == q_ref.shape and q.dtype == dtype
+    torch.testing.assert_close(q.double(), q_ref.double(), atol=tol, rtol=tol)
+    # every cache element: the new ones rotated (keys) or copied (values), the rest untouched
+    torch.testing.assert_close(k_cache.double(), k_ref.double(), atol=tol, rtol=tol)
+    assert torch.equal(v_cache, v_ref)  # values are copied, bit for bit
+
+
+def test_rotary_kv_rejects_mismatched_shapes_clearly():
+    args = list(rotary_case(2, 1, 4, 2, 8, 6, torch.float32, False))
+    args[-2] = 3  # query heads that do not match qkv's width
+    with pytest.raises(ValueError, match="does not match 3 query heads"):
+        decode.rotary_kv(*args)
+    args = list(rotary_case(2, 1, 4, 2, 8, 6, torch.float32, False))
+    args[6] = args[6].int()  # int32 positions
+    with pytest.raises(ValueError, match="int64"):
+        decode.rotary_kv(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 1538), (2, 5, 70)], ids=str)
+def test_silu_mul_matches_fp64(shape, dtype):
+    gate_up = check.random_tensor(shape, dtype, seed=3, scale=3.0)
+    out = decode.silu_mul(gate_up)
+    ref = decode.silu_mul_ref(gate_up)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref.double(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_silu_mul_rejects_an_odd_last_dim():
+    with pytest.raises(ValueError, match="2F"):
+        decode.silu_mul(torch.zeros((2, 3), device=DEVICE))
+
+
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_the_fused_model_path_matches_the_unfused_one(weights):
+    """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
+    gives the logits of the layer-by-layer path (torch's backend, same weights), token by token
+    over a prefill and two decode steps, with rows at different positions too."""
+    from kernels import llm
+    from kernels.llm import quant
+
+    model = llm.load_model("tiny", device=DEVICE, backend="kernels")
+    reference = llm.load_model("tiny", device=DEVICE, backend="torch")
+    reference.load_state_dict(model.state_dict())
+    if weights == "int8":
+        quant.quantize_int8(model), quant.quantize_int8(reference)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 5), device=DEVICE)
+    caches = model.new_cache(2, 16), reference.new_cache(2, 16)
+    with torch.no_grad():
+        outs = [m(tokens, c, input_pos=0) for m, c in zip((model, reference), caches, strict=True)]
+        for step in range(2):  # one shared position, then one per row (the server's path)
+            pos = 5 + step if step == 0 else [6, 6]
+            nxt = outs[0][:, -1:].argmax(-1)
+            outs = [
+                m(nxt, c, input_pos=pos) for m, c in zip((model, reference), caches, strict=True)
+            ]
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-5)
+    assert "_fused" in model.layers[0].__dict__  # the fused path ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 33, 70), (3, 64, 200), (17, 5, 31)], ids=str)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_swiglu_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weights):
+    from kernels import gemv, int8
+
+    M, N, F = shape
+    gate_up = check.random_tensor((M, 2 * F), dtype, seed=5, scale=2.0)
+    weight = check.random_tensor((N, F), dtype, seed=6, scale=F**-0.5)
+    scale = None
+    if weights == "int8":
+        weight, scale = int8.quantize(weight.float())
+    out = decode.swiglu_linear(gate_up, weight, scale)
+    ref = decode.swiglu_linear_ref(gate_up, weight, scale)
+    assert out.shape == (M, N) and out.dtype == dtype
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    if DEVICE.type == "cpu":  # one tile on the interpreter: the same sums, the same bits
+        act = decode.silu_mul(gate_up)
+        two = gemv.linear(act, weight) if scale is None else int8.linear(act, weight, scale)
+        assert torch.equal(out, two)
+
+
+def test_swiglu_linear_rejects_a_mismatched_weight():
+    with pytest.raises(ValueError, match="twice weight's F columns"):
+        decode.swiglu_linear(
+            torch.zeros((2, 10), device=DEVICE), torch.zeros((4, 4), device=DEVICE)
+        )
