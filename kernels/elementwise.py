@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import launch
+from kernels.launch import Launcher, aligned, cdiv, int_class
 from kernels.operators import operator, through_operator
 from kernels.primitives import gelu_for
 from kernels.validate import check_row_vector, check_same, check_tensor
@@ -28,12 +28,22 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
     tl.store(out_ptr + offsets, x + y, mask=mask)
 
 
+_launch_add = Launcher(add_kernel)
+
+
+def add_key(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple:
+    """add_kernel's launch key (kernels.launch): out is a fresh allocation, so aligned."""
+    return x.dtype, aligned(x), aligned(y), int_class(n)
+
+
 def _add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     x, y = x.contiguous(), y.contiguous()  # flat indexing below needs dense memory
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        launch(add_kernel, (triton.cdiv(n, BLOCK_SIZE),), x, y, out, n, BLOCK_SIZE=BLOCK_SIZE)
+        key = add_key(x, y, n)
+        grid = (cdiv(n, BLOCK_SIZE),)
+        _launch_add(key, grid, x, y, out, n, BLOCK_SIZE=BLOCK_SIZE)
     return out
 
 
@@ -66,13 +76,17 @@ def bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_elements, n_cols, BLOCK_SIZE: t
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_bias_gelu = Launcher(bias_gelu_kernel)
+
+
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    x, bias = x.contiguous(), bias.contiguous()
+    x, bias = x.contiguous(), bias.contiguous()  # a strided bias is read as dense: copy it
     out = torch.empty_like(x)
-    n = x.numel()
+    n, n_cols = x.numel(), x.shape[-1]
     if n:
-        grid = (triton.cdiv(n, BLOCK_SIZE),)
-        launch(bias_gelu_kernel, grid, x, bias, out, n, x.shape[-1], BLOCK_SIZE=BLOCK_SIZE)
+        key = (x.dtype, aligned(x), aligned(bias), int_class(n), int_class(n_cols))
+        grid = (cdiv(n, BLOCK_SIZE),)
+        _launch_bias_gelu(key, grid, x, bias, out, n, n_cols, BLOCK_SIZE=BLOCK_SIZE)
     return out
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels import matmul_tuning as tuning
 from kernels import split_k
 from kernels.elementwise import activation_grad
-from kernels.launch import launch
+from kernels.launch import Launcher, aligned, launch
 from kernels.matmul_reference import matmul_ref
 from kernels.operators import operator, through_operator
 from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
@@ -98,7 +98,34 @@ matmul_tma_autotuned = triton.autotune(
 
 
 def _matmul(a, b, bias, activation, kernel):
-    """act(a @ b + bias) for validated operands: the plan's copies, then its kernel."""
+    """act(a @ b + bias) for validated operands. A repeat call (same shapes, strides,
+    alignment, dtype, flags) finds everything decided in _calls and only allocates and
+    launches; the first plans, and on a GPU autotunes."""
+    bias = None if bias is None else bias.contiguous()  # read as dense: a strided one is copied
+    precision = a.dtype == torch.float32 and torch.get_float32_matmul_precision()
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.data_ptr() % 16,
+           b.data_ptr() % 16, precision, kernel, bias is not None and aligned(bias), bias is None,
+           activation)  # fmt: skip
+    call = _calls.get(key)
+    if call is None:
+        return _first_call(key, a, b, bias, activation, kernel)
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    meta, grid = call
+    _launch_matmul(key, grid, a, b, c, c if bias is None else bias, M, N, K,
+                   *a.stride(), *b.stride(), N, 1, **meta)  # fmt: skip
+    return c
+
+
+# What each call seen so far needs (its plan's kernel flags and the chosen config, with the
+# grid), by the key above: everything plan() and the kernel's specialization read. A repeat
+# call does no planning, no autotuner lookup and no key over every argument. Only plans that
+# launch the pointer kernel on the operands as they are (no copies, no descriptors) are kept.
+_calls = {}
+_launch_matmul = Launcher(matmul_kernel)
+
+
+def _first_call(key, a, b, bias, activation, kernel):
     (M, K), N = a.shape, b.shape[1]
     how = tuning.plan(a, b, kernel)
     if M == 0 or N == 0:
@@ -112,14 +139,30 @@ def _matmul(a, b, bias, activation, kernel):
     if how.k_major_b:
         b = b.t().contiguous().t()
     c = _launch(a, b, bias, activation, how)
+    if not (how.pad or how.k_major_b or how.tma):
+        meta = _config(a, b, bias, activation, how)
+        if meta is not None:
+            if len(_calls) >= 4096:  # a bound on shapes seen, not a tuning
+                _calls.clear()
+            meta = {**_flags(how, bias, activation), **meta}
+            _calls[key] = (meta, (tuning.tile_count(M, N, meta),))
     return c[:, :N].contiguous() if how.pad else c
+
+
+def _config(a, b, bias, activation, how) -> dict | None:
+    """The pointer kernel's tile config for these operands: the interpreter's one, or the one
+    the autotuner chose (None before it has)."""
+    if INTERPRET:
+        return tuning.INTERPRETER_CONFIG.kwargs
+    chosen = _chosen.get(_plan_key(a, b, _flags(how, bias, activation), how.tma))
+    return None if chosen is None else chosen[1]
 
 
 def _launch(a, b, bias, activation, how):
     (M, K), N = a.shape, b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
     flags = _flags(how, bias, activation)
-    bias = c if bias is None else bias.contiguous()  # without a bias, c stands in, never read
+    bias = c if bias is None else bias  # without a bias, c stands in, never read
     if how.tma:
         args = (*tuning.tma_descriptors(a, b, c, how.b_is_w), bias, M, N, K)
         kernel, autotuned = matmul_tma_kernel, matmul_tma_autotuned

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import norm_long
-from kernels.launch import launch
+from kernels.launch import Launcher, aligned, int_class, next_power_of_2
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
@@ -35,6 +35,7 @@ MAX_COLS = norm_long.LONG_ROW_COLS
 def rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, x_stride, y_stride, eps,
     residual_ptr, h_ptr, r_stride, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False,
+    SAVE_STATS: tl.constexpr = True,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -47,7 +48,8 @@ def rms_norm_fwd_kernel(
     x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(rstd_ptr + row, rstd)
+    if SAVE_STATS:  # for the backward; without a gradient to compute, nothing is allocated
+        tl.store(rstd_ptr + row, rstd)
     tl.store(y_ptr + row * y_stride + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -64,6 +66,7 @@ def layer_norm_fwd_kernel(
     y_stride,
     eps,
     BLOCK: tl.constexpr,
+    SAVE_STATS: tl.constexpr = True,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -74,8 +77,9 @@ def layer_norm_fwd_kernel(
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    if SAVE_STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
     tl.store(
         y_ptr + row * y_stride + cols, (xc * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask
     )
@@ -92,45 +96,55 @@ def _check(x, eps, **params):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
-def _forward(x, weight, bias, eps, residual=None):
+def _forward(x, weight, bias, eps, residual=None, save_stats=True):
     """(y, x2, mean, rstd, h): x2 = x as rows, mean None for RMSNorm; with `residual`
-    (RMSNorm only), h = x + residual is what is normalized, else h is None."""
+    (RMSNorm only), h = x + residual is what is normalized, else h is None. Without
+    `save_stats` (nothing to differentiate) mean and rstd are None: neither is allocated."""
     x2 = as_rows(x)
+    n_rows, n_cols = x2.shape
+    long_rows = residual is None and n_cols > norm_long.LONG_ROW_COLS
+    # the kernels read weight and bias as dense vectors: a strided one (w[::2]) is copied
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = None if residual is None else torch.empty_like(y)
-    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    mean = None if bias is None else torch.empty_like(rstd)  # RMSNorm has no mean
-    if x.numel() and residual is None and x2.shape[1] > norm_long.LONG_ROW_COLS:
-        norm_long.forward(x2, weight, bias, eps, y.view(x2.shape), mean, rstd)
-    elif x.numel():
-        n_rows, n_cols = x2.shape
-        block = triton.next_power_of_2(n_cols)
-        common = dict(BLOCK=block, num_warps=num_warps(block, 32))
-        y2 = y.view(n_rows, n_cols)
-        if bias is None:
-            r2 = x2 if residual is None else as_rows(residual)  # x2 stands in, never read
-            h2 = y2 if h is None else h.view(n_rows, n_cols)
-            launch(rms_norm_fwd_kernel, (n_rows,),
-                x2, weight, y2, rstd, n_cols, x2.stride(0), n_cols, eps, r2, h2, r2.stride(0),
-                HAS_RESIDUAL=residual is not None, **common,
-            )  # fmt: skip
-        else:
-            launch(
-                layer_norm_fwd_kernel,
-                (n_rows,),
-                x2,
-                weight,
-                bias,
-                y2,
-                mean,
-                rstd,
-                n_cols,
-                x2.stride(0),
-                n_cols,
-                eps,
-                **common,
-            )
+    mean = rstd = None
+    if save_stats or long_rows:  # the long-row kernels always write them
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        mean = None if bias is None else torch.empty_like(rstd)  # RMSNorm has no mean
+    if x.numel() == 0:
+        return y, x2, mean, rstd, h
+    y2 = y.view(n_rows, n_cols)
+    if long_rows:
+        norm_long.forward(x2, weight, bias, eps, y2, mean, rstd)
+        return y, x2, mean, rstd, h
+    block = next_power_of_2(n_cols)
+    # The launch's key (kernels.launch): what Triton specializes on. y, h and the statistics
+    # are fresh allocations (aligned), eps a float; BLOCK, num_warps follow from n_cols.
+    key = (x.dtype, block, int_class(n_cols), int_class(x2.stride(0)), aligned(x2),
+           aligned(weight), save_stats)  # fmt: skip
+    meta = dict(BLOCK=block, SAVE_STATS=save_stats, num_warps=num_warps(block, 32))
+    if bias is None:
+        r2 = x2 if residual is None else as_rows(residual)  # x2 stands in, never read
+        h2 = y2 if h is None else h.view(n_rows, n_cols)
+        stats = y2 if rstd is None else rstd  # stands in, never written
+        if residual is not None:
+            key += (aligned(r2), int_class(r2.stride(0)))
+        _launch_rms_norm(key, (n_rows,),
+            x2, weight, y2, stats, n_cols, x2.stride(0), n_cols, eps, r2, h2, r2.stride(0),
+            HAS_RESIDUAL=residual is not None, **meta,
+        )  # fmt: skip
+    else:
+        key += (aligned(bias),)
+        mean2, rstd2 = (y2, y2) if rstd is None else (mean, rstd)  # stand-ins, never written
+        _launch_layer_norm(key, (n_rows,),
+            x2, weight, bias, y2, mean2, rstd2, n_cols, x2.stride(0), n_cols, eps, **meta,
+        )  # fmt: skip
     return y, x2, mean, rstd, h
+
+
+_launch_rms_norm = Launcher(rms_norm_fwd_kernel)
+_launch_layer_norm = Launcher(layer_norm_fwd_kernel)
 
 
 # The operators (see kernels.operators): <name>_forward returns the output and the fp32
@@ -227,7 +241,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     _check(x, eps, weight=weight)
     if through_operator(x, weight):
         return rms_norm_forward(x, weight, float(eps))[0]
-    return _forward(x, weight, None, float(eps))[0]
+    return _forward(x, weight, None, float(eps), save_stats=False)[0]
 
 
 def layer_norm(
@@ -240,7 +254,7 @@ def layer_norm(
     _check(x, eps, weight=weight, bias=bias)
     if through_operator(x, weight, bias):
         return layer_norm_forward(x, weight, bias, float(eps))[0]
-    return _forward(x, weight, bias, float(eps))[0]
+    return _forward(x, weight, bias, float(eps), save_stats=False)[0]
 
 
 def add_rms_norm(
@@ -263,7 +277,7 @@ def add_rms_norm(
     if through_operator(x, residual, weight):
         y, h, _ = add_rms_norm_forward(x, residual, weight, float(eps))
         return y, h
-    y, _, _, _, h = _forward(x, weight, None, float(eps), residual)
+    y, _, _, _, h = _forward(x, weight, None, float(eps), residual, save_stats=False)
     return y, h
 
 

@@ -87,6 +87,7 @@ def sum_partials_kernel(
 
 def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
     n_rows, n_cols = x2.shape
+    weight = weight.contiguous()  # read as a dense vector: a strided one (w[::2]) is copied
     dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     dw = torch.zeros_like(weight)  # zeros: a sum over no rows
     db = torch.zeros_like(weight) if layer_norm else None

@@ -12,7 +12,9 @@ What a public function (`kernels.norm.rms_norm`, ...) does, in order:
 2. Under `torch.compile`, or when autograd must record the call, it calls the operator.
 3. Otherwise (eager, nothing to differentiate) it launches the kernel directly: the operator's
    dispatch costs microseconds of host time that a small input cannot hide (Chapter 1's overhead
-   regime; `python -m kernels bench overhead` measures each rung).
+   regime; `python -m kernels bench overhead` measures each rung). After a shape's first call
+   the launch skips Triton's own Python too: kernels.launch's Launcher, under a key the call
+   site makes from what it already has (dtype, alignment, sizes' classes, constexprs).
 
 Autograd. The simple ops register a backward on their one operator: add (two identity
 gradients), bias_gelu and softmax (a few torch ops on the saved input or output, which

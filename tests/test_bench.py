@@ -359,6 +359,9 @@ def test_the_launch_ladder_has_every_rung_and_the_cached_launch_is_lighter():
     assert {"torch eager", "CUDA graph replay", "torch.compile reduce-overhead"} <= set(rungs)
     # the point of kernels.launch: the same kernel for less host time than kernel[grid]
     assert rungs["cached compiled-kernel launch alone"] < rungs["Triton kernel[grid] alone"]
+    # the call site's own key costs less than a key over every argument; the C launcher least
+    keyed = rungs["cached launch, call-site key alone"]
+    assert rungs["C launcher alone (arguments ready)"] < keyed < rungs["Triton kernel[grid] alone"]
     assert len(overhead.rows(result)) == len(rungs)
 
 

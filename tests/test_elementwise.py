@@ -45,6 +45,9 @@ def test_non_contiguous_and_empty_inputs():
         assert r.ok, r.message
         r = check.against_fp64(bias_gelu, x, bias, ref=bias_gelu_ref, op="elementwise")
         assert r.ok, r.message
+    strided_bias = check.random_tensor((128,), seed=9)[::2]  # read at its strides, not as dense
+    r = check.against_fp64(bias_gelu, y, strided_bias, ref=bias_gelu_ref, op="elementwise")
+    assert r.ok, r.message
     assert add(transposed[:0], y[:0]).shape == (0, 64)
     assert bias_gelu(transposed[:0], y[0, :64]).shape == (0, 64)
 

@@ -118,6 +118,35 @@ def test_non_contiguous_inputs_and_gradients(op):
 
 
 @pytest.mark.parametrize("op", OPS)
+def test_strided_weight_and_bias_forward_and_backward(op):
+    """A weight or bias that is a strided view (every other element of a longer vector) is
+    read at its own strides, forward and backward, with and without autograd."""
+    kernel, reference, n_params = OPS[op]
+    x, _, dy = _inputs((5, 129), torch.float32, 0, seed=12)
+    bases = [check.random_tensor((2 * 129,), seed=13 + i) for i in range(n_params)]
+    with torch.no_grad():
+        y = kernel(x, *[b[::2] for b in bases])
+    check.assert_close(y, reference(x.double(), *[b[::2].double() for b in bases]), op="reduction")
+    xg, leaves = x.clone().requires_grad_(), [b.clone().requires_grad_() for b in bases]
+    kernel(xg, *[leaf[::2] for leaf in leaves]).backward(dy)
+    x64, leaves64 = x.double().requires_grad_(), [b.double().requires_grad_() for b in bases]
+    reference(x64, *[leaf[::2] for leaf in leaves64]).backward(dy.double())
+    for g, g64 in zip(
+        [xg.grad] + [leaf.grad for leaf in leaves],
+        [x64.grad] + [leaf.grad for leaf in leaves64],
+        strict=True,
+    ):
+        check.assert_close(g, g64, op="reduction")
+
+
+def test_add_rms_norm_strided_weight():
+    x, residual, _ = _add_inputs((5, 129), torch.float32, seed=42)
+    w = check.random_tensor((2 * 129,), seed=43)[::2]
+    y, h = add_rms_norm(x, residual, w)
+    check.assert_close(y, rms_norm_ref(h.double(), w.double()), op="reduction")
+
+
+@pytest.mark.parametrize("op", OPS)
 def test_gradient_for_x_only_and_no_grad(op):
     kernel, reference, n_params = OPS[op]
     x, params, dy = _inputs((6, 50), torch.float32, n_params, seed=10)

@@ -44,16 +44,15 @@ def _compiled(fn, mode):
     return compiled
 
 
-def ladder(torch_fn, course_fn, kernel_only, cached_only, operator, grad_inputs) -> dict:
-    """Host microseconds per call of each rung of one op's ladder, {rung: us}. `kernel_only`
-    launches through kernel[grid] and `cached_only` through kernels.launch, both into
-    preallocated outputs with no checks; `operator` calls torch.ops.brrr.<op>; `grad_inputs()`
-    returns (course call, torch call) on inputs that require grad."""
+def ladder(torch_fn, course_fn, launches, operator, grad_inputs) -> dict:
+    """Host microseconds per call of each rung of one op's ladder, {rung: us}. `launches` maps
+    a rung to a launch alone (kernel[grid], kernels.launch, ...) into preallocated outputs with
+    no checks; `operator` calls torch.ops.brrr.<op>; `grad_inputs()` returns (course call,
+    torch call) on inputs that require grad."""
     with torch.no_grad():
         rungs = {
             "torch eager": torch_fn,
-            "Triton kernel[grid] alone": kernel_only,
-            "cached compiled-kernel launch alone": cached_only,
+            **launches,
             "course function (checks, allocation, launch)": course_fn,
             "torch.library operator": operator,
         }
@@ -71,14 +70,41 @@ def ladder(torch_fn, course_fn, kernel_only, cached_only, operator, grad_inputs)
     return us
 
 
+def launch_rungs(kernel, grid, args, meta, key=None) -> dict:
+    """The launch-alone rungs of a ladder, {rung: fn}: Triton's kernel[grid]; kernels.launch,
+    keyed on every argument; with `key` (the course's call site's own key), kernels.launch's
+    Launcher under that key, and below it the compiled kernel's C launcher called with the
+    arguments ready (what is left once nothing is looked up)."""
+    from kernels import launch
+
+    rungs = {
+        "Triton kernel[grid] alone": lambda: kernel[grid](*args, **meta),
+        "cached compiled-kernel launch alone": lambda: launch.launch(kernel, grid, *args, **meta),
+    }
+    if key is None:
+        return rungs
+    keyed = launch.Launcher(kernel)
+    rungs["cached launch, call-site key alone"] = lambda: keyed(key, grid, *args, **meta)
+    keyed(key, grid, *args, **meta)  # compiles, and keeps the kernel under the key
+    entry = keyed.entries.get((torch._C._cuda_getDevice(), key)) if DEVICE.type == "cuda" else None
+    if entry is not None:
+        values = (*args, *(meta[name] for name in entry.names))
+        device = torch._C._cuda_getDevice()
+        rungs["C launcher alone (arguments ready)"] = lambda: entry.launch(
+            *grid, *(1,) * (3 - len(grid)), torch._C._cuda_getCurrentRawStream(device), values
+        )
+    return rungs
+
+
 def add_ladder(n: int = 4096) -> dict:
     """Chapter 1's ladder: x + y on n fp32 elements, small enough that every rung is host time."""
-    from kernels import elementwise, launch
+    from kernels import elementwise
 
     x, y = torch.randn(2, n, device=DEVICE)
     out = torch.empty_like(x)
     grid = (triton.cdiv(n, elementwise.BLOCK_SIZE),)
     args, block = (x, y, out, n), {"BLOCK_SIZE": elementwise.BLOCK_SIZE}
+    key = elementwise.add_key(x, y, n)
 
     def grad_inputs():
         xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
@@ -87,8 +113,7 @@ def add_ladder(n: int = 4096) -> dict:
     rungs = ladder(
         lambda: x + y,
         lambda: elementwise.add(x, y),
-        lambda: elementwise.add_kernel[grid](*args, **block),
-        lambda: launch.launch(elementwise.add_kernel, grid, *args, **block),
+        launch_rungs(elementwise.add_kernel, grid, args, block, key),
         lambda: torch.ops.brrr.add(x, y),
         grad_inputs,
     )
@@ -97,14 +122,15 @@ def add_ladder(n: int = 4096) -> dict:
 
 def rms_norm_ladder(rows: int = 64, cols: int = 4096) -> dict:
     """The ladder of rms_norm on (rows, cols) bf16 against F.rms_norm."""
-    from kernels import launch, norm
+    from kernels import norm
 
     x = torch.randn(rows, cols, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(cols, device=DEVICE, dtype=torch.bfloat16)
     y, rstd = torch.empty_like(x), torch.empty(rows, device=DEVICE)
     block = triton.next_power_of_2(cols)
     args = (x, w, y, rstd, cols, cols, cols, 1e-6, x, y, cols)
-    meta = {"BLOCK": block, "HAS_RESIDUAL": False, "num_warps": norm.num_warps(block, 32)}
+    meta = {"BLOCK": block, "HAS_RESIDUAL": False, "SAVE_STATS": True}
+    meta["num_warps"] = norm.num_warps(block, 32)
 
     def grad_inputs():
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -113,8 +139,7 @@ def rms_norm_ladder(rows: int = 64, cols: int = 4096) -> dict:
     rungs = ladder(
         lambda: F.rms_norm(x, (cols,), w, 1e-6),
         lambda: norm.rms_norm(x, w),
-        lambda: norm.rms_norm_fwd_kernel[(rows,)](*args, **meta),
-        lambda: launch.launch(norm.rms_norm_fwd_kernel, (rows,), *args, **meta),
+        launch_rungs(norm.rms_norm_fwd_kernel, (rows,), args, meta),
         lambda: torch.ops.brrr.rms_norm(x, w, 1e-6),
         grad_inputs,
     )
@@ -124,7 +149,7 @@ def rms_norm_ladder(rows: int = 64, cols: int = 4096) -> dict:
 def matmul_ladder(n: int = 1024) -> dict:
     """The ladder of matmul on n^3 bf16 against torch.matmul (cuBLAS), the pointer kernel
     with the config the course's autotuner chose."""
-    from kernels import launch, matmul
+    from kernels import matmul
     from kernels import matmul_tuning as tuning
 
     a, b = torch.randn(2, n, n, device=DEVICE, dtype=torch.bfloat16)
@@ -147,8 +172,7 @@ def matmul_ladder(n: int = 1024) -> dict:
     rungs = ladder(
         lambda: a @ b,
         lambda: matmul.matmul(a, b),
-        lambda: matmul.matmul_kernel[grid](*args, **meta),
-        lambda: launch.launch(matmul.matmul_kernel, grid, *args, **meta),
+        launch_rungs(matmul.matmul_kernel, grid, args, meta),
         lambda: torch.ops.brrr.matmul(a, b, None, None, None),
         grad_inputs,
     )
