@@ -3,13 +3,14 @@ processes, no kernels run. Strided cases are truly strided, timings are typed, c
 group of cases do not depend on the order they are visited in, and the child times through
 the course's one timer."""
 
+import inspect
 import random
 
 import pytest
 import torch
 
 import kernels.bench
-from kernels.grader import cases, child, prefixes
+from kernels.grader import cases, child, prefixes, ranks
 from kernels.grader.labs import LABS
 from kernels.grader.runner import ChildRun
 from kernels.grader.tasks import Case, Task, Timing, evaluate
@@ -210,7 +211,9 @@ def test_a_group_check_runs_after_every_case_passed():
 
 
 def test_every_baseline_the_child_times_is_named_and_runs():
-    assert set(child.TIMED_AGAINST) == set(cases.BASELINES)
+    # "one_gpu" is timed by the two-rank runner (kernels.grader.ranks), every other by the child
+    assert set(child.TIMED_AGAINST) == set(cases.BASELINES) - {"one_gpu"}
+    assert '"baseline": "one_gpu"' in inspect.getsource(ranks)
     q, k, v = (torch.randn(1, 2, n, 16) for n in (3, 5, 5))
     args = {"copy": (k,), "matmul": (k[0, 0], k[0, 0].t()), "kv": (q[:, :, 0], k, v)}
     args["attention"] = (k, k, v)
