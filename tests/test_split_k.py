@@ -7,7 +7,7 @@ from params import DTYPES, assert_rows_invariant
 from kernels import check
 from kernels import split_k_tuning as tuning
 from kernels.runtime import DEVICE
-from kernels.split_k import matmul_split_k, matmul_split_k_op, matmul_split_k_ref
+from kernels.split_k import matmul_split_k, matmul_split_k_op, matmul_split_k_ref, product
 
 # (M, N, K) around 1 and the CPU tile (16 x 64, K steps of 32): with 16 "SMs" on a CPU, N <= 64
 # is one column tile and K is cut into up to 16 pieces; N = 1000 is 16 tiles, never split.
@@ -72,6 +72,21 @@ def test_the_tuner_times_fixed_row_counts_and_keeps_its_choice(monkeypatch):
     assert chosen.splits == 1 and sorted(set(seen)) == sorted(tuning.TUNE_ROWS["gemv"])
     timed = len(seen)
     assert tuning.plan("gemv", 33, 200, ("a dtype",), fake_ms) is chosen and len(seen) == timed
+
+
+def test_small_right_hand_sides_take_their_first_candidate_untimed(monkeypatch):
+    """Below TIMED_FROM_BYTES a GEMV is not timed (do_bench's floor would rank noise); at or
+    above it, it is."""
+    monkeypatch.setattr(tuning, "AUTOTUNE", True)
+    monkeypatch.setattr(tuning, "_chosen", {})
+    monkeypatch.setattr(tuning, "TIMED_FROM_BYTES", 33 * 200 * 4)  # an fp32 (200, 33) b is timed
+    seen = []
+    monkeypatch.setattr(tuning, "least_regret", lambda plans, rows, t: seen.append(1) or plans[-1])
+    x = torch.randn(2, 200, device=DEVICE)
+    product(x, torch.randn(200, 32, device=DEVICE), kind="gemv")  # one column short: untimed
+    assert not seen
+    product(x, torch.randn(200, 33, device=DEVICE), kind="gemv")
+    assert seen == [1]
 
 
 def test_the_tuner_minds_the_worst_row_count():
