@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kernels import gemv, int8
 from kernels.launch import launch
+from kernels.primitives import swiglu
 from kernels.split_k import product
 from kernels.validate import check_tensor
 
@@ -140,9 +141,9 @@ def silu_mul_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F
-    gate = tl.load(gu_ptr + row * 2 * F + cols, mask=m, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + row * 2 * F + F + cols, mask=m, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    gate = tl.load(gu_ptr + row * 2 * F + cols, mask=m, other=0.0)
+    up = tl.load(gu_ptr + row * 2 * F + F + cols, mask=m, other=0.0)
+    out = swiglu(gate, up)
     tl.store(out_ptr + row * F + cols, out.to(out_ptr.dtype.element_ty), mask=m)
 
 

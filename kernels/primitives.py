@@ -4,6 +4,7 @@
 - gelu: the exact (erf) GELU, F.gelu's default; gelu_fast, its tanh form in a few cheap
   instructions; gelu_for, the one of the two a kernel storing a given dtype computes (fp32:
   exact; fp16/bf16: fast), for bias_gelu and the matmul epilogues.
+- swiglu: SwiGLU's product silu(gate) * up (a decoding step's MLP).
 - add_combine, max_combine: the combine functions for tl.reduce that are tl.sum's and tl.max's
   (the batch-invariant kernels and split-K's CPU path sum in an order they write out).
 - grouped_tile: the order in which a matmul's programs visit output tiles (both matmuls).
@@ -59,6 +60,14 @@ def gelu_for(z, out_dtype: tl.constexpr):
     else:
         y = gelu_fast(z)
     return y
+
+
+@triton.jit
+def swiglu(gate, up):
+    """SwiGLU's product silu(gate) * up, in fp32: kernels.decode.silu_mul and the GATED loads
+    of kernels.split_k compute it with this one function, so the two paths agree bit for bit."""
+    gate = gate.to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ from kernels import split_k_tuning as tuning
 from kernels.launch import launch
 from kernels.matmul_reference import matmul_ref
 from kernels.operators import operator, through_operator
-from kernels.primitives import add_combine, epilogue
+from kernels.primitives import add_combine, epilogue, swiglu
 from kernels.runtime import INTERPRET
 from kernels.validate import check_matmul_inputs, input_precision
 
@@ -72,9 +72,9 @@ def load_a(a_ptrs, mask, K, stride_ak, GATED: tl.constexpr):
     dtype as the separate kernel would store it (kernels.decode.silu_mul), so that SwiGLU's
     product feeds the down projection without a launch or a round trip through memory."""
     if GATED:
-        gate = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(a_ptrs + K * stride_ak, mask=mask, other=0.0).to(tl.float32)
-        return (gate / (1.0 + tl.exp(-gate)) * up).to(a_ptrs.dtype.element_ty)
+        gate = tl.load(a_ptrs, mask=mask, other=0.0)
+        up = tl.load(a_ptrs + K * stride_ak, mask=mask, other=0.0)
+        return swiglu(gate, up).to(a_ptrs.dtype.element_ty)
     return tl.load(a_ptrs, mask=mask, other=0.0)
 
 
