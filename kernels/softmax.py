@@ -175,12 +175,9 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_streamed(x: torch.Tensor, block: int | None) -> torch.Tensor:
-    if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    how = tuning.plan(x.numel() // x.shape[-1], x.shape[-1], path="streamed")
-    if block is not None:
-        how = tuning.Plan("streamed", block, tuning.num_warps(block, 16))
-    return _launch(x, how)
+    if block is None or x.numel() == 0:
+        return _softmax_path(x, "streamed")
+    return _launch(x, tuning.Plan("streamed", block, tuning.num_warps(block, 16)))
 
 
 def _save_output(ctx, inputs, output):
