@@ -103,9 +103,8 @@ def _matmul(a, b, bias, activation, kernel):
     launches; the first plans, and on a GPU autotunes."""
     bias = None if bias is None else bias.contiguous()  # read as dense: a strided one is copied
     precision = a.dtype == torch.float32 and torch.get_float32_matmul_precision()
-    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.data_ptr() % 16,
-           b.data_ptr() % 16, precision, kernel, bias is not None and aligned(bias), bias is None,
-           activation)  # fmt: skip
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, aligned(a), aligned(b), precision,
+           kernel, bias is not None and aligned(bias), bias is None, activation)  # fmt: skip
     call = _calls.get(key)
     if call is None:
         return _first_call(key, a, b, bias, activation, kernel)
