@@ -186,7 +186,7 @@ def specialization(launcher: Launcher, args, kwargs) -> tuple:
 
 
 def _plain(value) -> bool:
-    return isinstance(value, (int, float, bool, str, type(None), torch.dtype))
+    return isinstance(value, (*_PLAIN, torch.dtype))
 
 
 def _direct(compiled):
