@@ -88,8 +88,9 @@ TUNE_ROWS = {"matmul": (256,), "gemv": (1, 16, 64), "int8": (1, 16, 64)}
 AUTOTUNE = ON_GPU
 # A right-hand side smaller than this is not timed: its first candidate is taken. A small GEMV
 # (a 135M model's 576 x 576 layer, 0.7 MB) runs in a few microseconds, below the fixed ~4.6 us
-# that each `do_bench` call pays, so the ranking would be noise (on an H200 one run's choices
-# gave 1.0 ms a SmolLM2 decode step, another's 1.5 ms).
+# that each `do_bench` call pays, so the ranking would be noise (on an H200, timed choices gave
+# a SmolLM2 decode step of 1.0 ms in one run and, with two more narrow tiles to choose from,
+# 1.5 ms in another).
 TIMED_FROM_BYTES = 8 << 20
 MAX_SPLITS = 128
 # Each piece keeps at least this many BLOCK_K steps, so its loads can pipeline. The CPU value
