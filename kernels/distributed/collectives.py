@@ -106,22 +106,33 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_collective(op, nbytes, dtype=torch.float32, warmup=2, iters=5) -> tuple[int, float]:
-    """(bytes, median seconds) of `op` on this rank's group: a barrier before each run, so that
-    every rank starts together; rank 0's clock. Call it on every rank."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")  # fmt: skip
-    tensors, size = _buffers(op, nbytes, dtype, dist.get_world_size(), device)
-    samples = []
+def rank_device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def median_s(fn, iters: int, warmup: int = 1) -> float:
+    """Median seconds of fn() over `iters` runs after `warmup` more, on this rank's clock, with
+    a barrier before each run so that every rank starts together: call it on every rank."""
+    device, samples = rank_device(), []
     for i in range(warmup + iters):
         dist.barrier()
         _sync(device)
         start = time.perf_counter()
-        _call(op, tensors)
+        fn()
         _sync(device)
         if i >= warmup:
             samples.append(time.perf_counter() - start)
-    return size, statistics.median(samples)
+    return statistics.median(samples)
+
+
+def time_collective(op, nbytes, dtype=torch.float32, warmup=2, iters=5) -> tuple[int, float]:
+    """(bytes, median seconds) of `op` on this rank's group (median_s: every rank starts each
+    run together). Call it on every rank."""
+    tensors, size = _buffers(op, nbytes, dtype, dist.get_world_size(), rank_device())
+    return size, median_s(lambda: _call(op, tensors), iters, warmup)
 
 
 def sweep_rank(rank, world_size, ops, sizes, dtype_name="fp32", iters=5) -> list[dict]:

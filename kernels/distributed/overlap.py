@@ -5,13 +5,11 @@ it travels while the next chunk computes. Only the last chunk's all-reduce is le
 Rank functions (for kernels.distributed.run_ranks) take (rank, world_size, ...) first.
 """
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.distributed.collectives import DTYPES, median_s, rank_device
 from kernels.distributed.tp import shard_mlp
 
 
@@ -42,33 +40,12 @@ def overlapped_mlp(x, up, down, chunks: int = 4):
     return torch.cat(outs)
 
 
-def _device():
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _median_s(fn, iters: int) -> float:
-    device, samples = _device(), []
-    for i in range(iters + 1):  # the first run is a warm-up
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def overlap_rank(rank, world_size, tokens, d_model, d_ff, chunks=4, iters=5, dtype="fp32"):
     """A rank function: times in ms of the MLP's compute alone, one all-reduce of its output
     alone, the two in sequence, and chunked with overlap; and the fraction of the all-reduce's
     time that the overlap hid. On rank 0 (the others return {})."""
-    device = _device()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    device = rank_device()
+    dtype = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)  # the same weights and tokens on every rank
     x = torch.randn(tokens, d_model, generator=gen).to(device, dtype)
     w_up = (torch.randn(d_ff, d_model, generator=gen) / d_model**0.5).to(device, dtype)
@@ -76,10 +53,10 @@ def overlap_rank(rank, world_size, tokens, d_model, d_ff, chunks=4, iters=5, dty
     up, down = shard_mlp(w_up, w_down, rank, world_size)
     out = torch.empty(tokens, d_model, device=device, dtype=dtype)
     ms = {
-        "compute_ms": _median_s(lambda: _partial(x, up, down), iters),
-        "all_reduce_ms": _median_s(lambda: dist.all_reduce(out), iters),
-        "sequential_ms": _median_s(lambda: sequential_mlp(x, up, down), iters),
-        "overlapped_ms": _median_s(lambda: overlapped_mlp(x, up, down, chunks), iters),
+        "compute_ms": median_s(lambda: _partial(x, up, down), iters),
+        "all_reduce_ms": median_s(lambda: dist.all_reduce(out), iters),
+        "sequential_ms": median_s(lambda: sequential_mlp(x, up, down), iters),
+        "overlapped_ms": median_s(lambda: overlapped_mlp(x, up, down, chunks), iters),
     }
     ms = {k: v * 1e3 for k, v in ms.items()}
     hidden = ms["sequential_ms"] - ms["overlapped_ms"]
