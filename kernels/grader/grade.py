@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.bench import gpu_count
 from kernels.grader import runner, static_checks, submission
 from kernels.grader.labs import LABS
 from kernels.grader.tasks import Outcome, evaluate, failed, run_problem
@@ -48,10 +49,6 @@ def tasks_to_grade(lab: str, only) -> list:
             f"{', '.join(task.name for task in tasks)}"
         )
     return [task for task in tasks if not only or task.name in only]
-
-
-def gpu_count() -> int:
-    return torch.cuda.device_count() if ON_GPU else 0
 
 
 def precheck(task, notebook) -> Outcome | None:
