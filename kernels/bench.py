@@ -100,12 +100,14 @@ def rotating_copies(t: torch.Tensor, past_bytes: int | None = None) -> list[torc
     return [t] + [t.clone() for _ in range(count - 1)]
 
 
-def rotating_graph_ms(fn, argsets, calls: int | None = None) -> float:
+def rotating_graph_ms(fn, argsets, calls: int | None = None, rep_ms: int = 100) -> float:
     """GPU milliseconds per call of fn(*args), `calls` calls (default: at least 32, a whole
     number of rounds) captured back to back in one CUDA graph, cycling through `argsets` (for
     example the rotating_copies of a weight): the way a decode step runs its layers, with no
     launch overhead between calls and no help from the L2. A single `time_ms` call of a small
-    kernel also pays a fixed few microseconds; the two side by side show it. GPU only."""
+    kernel also pays a fixed few microseconds; the two side by side show it. `rep_ms`: how
+    long the replays are timed for (kernels.split_k_tuning ranks tiles with short runs). GPU
+    only."""
     if not ON_GPU:
         raise RuntimeError("rotating_graph_ms replays a CUDA graph: it needs a CUDA GPU")
     argsets = [tuple(args) for args in argsets]
@@ -123,7 +125,10 @@ def rotating_graph_ms(fn, argsets, calls: int | None = None) -> float:
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(*argsets[i % len(argsets)])
-    return time_ms(graph.replay) / calls
+    import triton.testing
+
+    ms = triton.testing.do_bench(graph.replay, warmup=rep_ms // 4, rep=rep_ms, return_mode="median")
+    return float(ms) / calls
 
 
 def cpu_us_per_call(fn, calls=2000) -> float:

@@ -4,11 +4,12 @@ tile, and how many pieces K is cut into, for a product with an N x K right-hand 
 Every choice here is a function of (N, K, the dtypes, the device), never of M, the number of
 rows: a row's bits then cannot depend on how many rows are batched with it (Chapter 5). On a
 GPU the tile comes from a small list, timed once per (kind, N, K, dtypes) at fixed row counts
-(TUNE_ROWS, not the caller's M) and kept for the rest of the process; the interpreter takes one
-small tile, untimed. Set AUTOTUNE = False to take each list's first entry without timing (the
-same choice in every process, where timing noise could pick differently). The first call of
-a shape does that timing: make it before any CUDA graph capture (a warm-up call, as
-torch.compile's "reduce-overhead" mode and bench.rotating_graph_ms make).
+(TUNE_ROWS, not the caller's M) and kept for the rest of the process (ALONE_FROM_BYTES says
+how); the interpreter takes one small tile, untimed. Set AUTOTUNE = False to take each list's
+first entry without timing (the same choice in every process, where timing noise could pick
+differently). The first call of a shape does that timing: make it before any CUDA graph
+capture (a warm-up call, as torch.compile's "reduce-overhead" mode and bench.rotating_graph_ms
+make); a call inside a capture takes the plan chosen before, else the first, unremembered.
 
 Not yet measured: these lists are what a Hopper GPU should like, to be confirmed by
 `python -m kernels bench decode` on an H200 and pruned to what wins.
@@ -86,12 +87,12 @@ TILES = {"matmul": MATMUL_TILES, "gemv": GEMV_TILES, "int8": INT8_TILES}
 TUNE_ROWS = {"matmul": (256,), "gemv": (1, 16, 64), "int8": (1, 16, 64)}
 
 AUTOTUNE = ON_GPU
-# A right-hand side smaller than this is not timed: its first candidate is taken. A small GEMV
-# (a 135M model's 576 x 576 layer, 0.7 MB) runs in a few microseconds, below the fixed ~4.6 us
-# that each `do_bench` call pays, so the ranking would be noise (on an H200, timed choices gave
-# a SmolLM2 decode step of 1.0 ms in one run and, with two more narrow tiles to choose from,
-# 1.5 ms in another).
-TIMED_FROM_BYTES = 8 << 20
+# A right-hand side at least this large is timed call by call (do_bench); a smaller one runs
+# in a few microseconds, below the fixed ~4.6 us that each do_bench call pays, which made its
+# ranking noise (on an H200, such choices gave a SmolLM2 decode step of 1.0 ms in one run and
+# 1.5 ms in another): its plans are timed back to back in a CUDA graph instead, over copies of
+# the weight that outgrow the L2 (bench.rotating_graph_ms), as a model's decode step runs them.
+ALONE_FROM_BYTES = 8 << 20
 MAX_SPLITS = 128
 # Each piece keeps at least this many BLOCK_K steps, so its loads can pipeline. The CPU value
 # lets small test shapes split too.

@@ -121,10 +121,11 @@ def test_served_in_the_mode_the_same_request_gets_the_same_bits_whatever_the_tra
 @pytest.mark.skipif(ON_GPU or not torch.backends.mkl.is_available(), reason="CPU build with MKL")
 def test_negative_control_torchs_default_kernels_give_different_answers():
     """The same traffic outside the mode: MKL's matmul rounds a row differently at batch sizes
-    1, 2-3 and 4+ and the letter twins flip (the harness must be able to fail)."""
+    1, 2 and 4 (the padded sizes of a step) and the letter twins flip (the harness must be able
+    to fail)."""
     model = llm.load_model("tiny", device="cpu")
     result = serve.run_experiment(
-        model, TOK, PROMPT, 12, new_tokens=8, fillers=4, max_batch=4, spread=20, seed=0
+        model, TOK, PROMPT, 12, new_tokens=8, fillers=4, max_batch=4, spread=40, seed=0
     )
     assert result["distinct"] > 1 and result["first_divergence"] is not None
     assert len(result["texts"]) == 12 and result["most_common"][1] < 12
@@ -144,6 +145,28 @@ def test_a_request_that_would_overflow_the_cache_is_refused_before_any_work(tiny
         serve.serve(tiny, [serve.Request([1, 2], 0)], max_batch=1)
 
 
+def test_a_padded_decoding_step_gives_the_running_rows_their_unpadded_bits(tiny):
+    """A step of 3 rows runs padded to 4 (the 4th row a free slot at position 0), through
+    decode_rows over the whole cache; in the mode each running row gets the bits that the
+    unpadded forward with slots gives it."""
+    assert [serve.padded_batch(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    prompts = {3: TOK.encode("Feynman"), 1: TOK.encode("QED"), 0: TOK.encode("Los Alamos")}
+    with bi.batch_invariant_mode(), torch.no_grad():
+        cache = tiny.new_cache(batch=4, length=16)
+        for slot, ids in prompts.items():
+            tiny(_ids(ids[:-1]), cache, input_pos=0, slots=[slot])
+        last = [ids[-1] for ids in prompts.values()]
+        positions = [len(ids) - 1 for ids in prompts.values()]
+        padded = serve.Decoder(tiny, cache, graphs=False)(last, positions, [3, 1, 0], [2])
+        expected = tiny(_ids(*([t] for t in last)), cache, input_pos=positions, slots=[3, 1, 0])
+    assert padded.shape == (3, 256) and torch.equal(padded, expected[:, -1])
+    with pytest.raises(ValueError, match="decode_rows takes tokens"):
+        tiny.decode_rows(_ids([1], [2]), cache, torch.tensor([0]), torch.tensor([0, 1]))
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA GPU"):
+            serve.Decoder(tiny, cache, graphs=True)
+
+
 def test_first_divergence_and_distinct_completions():
     assert serve.first_divergence([[1, 2, 3], [1, 2, 4]]) == 2
     assert serve.first_divergence([[1, 2], [1, 2]]) is None
@@ -156,7 +179,7 @@ def test_first_divergence_and_distinct_completions():
 def test_on_the_gpu_the_mode_gives_one_answer_and_cublas_more(dtype):
     """Chapter 5's traffic at a tenth of its size: with cuBLAS and SDPA the copies disagree (in
     fp32: bf16 rounds the twins' 3e-7 apart to a tie), with batch_invariant_mode() (on either
-    backend) they agree, bit for bit."""
+    backend) they agree, bit for bit, and the CUDA graphs' answers are the eager steps'."""
     traffic = dict(copies=100, new_tokens=32, fillers=20, max_batch=64, spread=150)
     model = llm.load_model("tiny", dtype=dtype)
     default = serve.run_experiment(model, TOK, PROMPT, **traffic)
@@ -169,3 +192,6 @@ def test_on_the_gpu_the_mode_gives_one_answer_and_cublas_more(dtype):
         assert result["distinct"] == 1 and result["first_divergence"] is None, backend
         logprobs = {tuple(r.logprobs) for r in result["requests"][: traffic["copies"]]}
         assert len(logprobs) == 1, backend
+    with bi.batch_invariant_mode():  # the steps replayed from CUDA graphs, or run eagerly
+        eager = serve.run_experiment(model, TOK, PROMPT, **traffic, graphs=False)
+    assert eager["texts"] == result["texts"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from params import DTYPES, assert_rows_invariant
 
-from kernels import check
+from kernels import check, split_k
 from kernels import split_k_tuning as tuning
 from kernels.runtime import DEVICE
 from kernels.split_k import matmul_split_k, matmul_split_k_op, matmul_split_k_ref, product
@@ -74,19 +74,26 @@ def test_the_tuner_times_fixed_row_counts_and_keeps_its_choice(monkeypatch):
     assert tuning.plan("gemv", 33, 200, ("a dtype",), fake_ms) is chosen and len(seen) == timed
 
 
-def test_small_right_hand_sides_take_their_first_candidate_untimed(monkeypatch):
-    """Below TIMED_FROM_BYTES a GEMV is not timed (do_bench's floor would rank noise); at or
-    above it, it is."""
+def test_small_right_hand_sides_are_timed_in_a_cuda_graph(monkeypatch):
+    """Below ALONE_FROM_BYTES a GEMV's plans are timed back to back in a CUDA graph over
+    rotating copies of the weight (do_bench's per-call floor would rank noise); at or above
+    it, call by call."""
     monkeypatch.setattr(tuning, "AUTOTUNE", True)
     monkeypatch.setattr(tuning, "_chosen", {})
-    monkeypatch.setattr(tuning, "TIMED_FROM_BYTES", 33 * 200 * 4)  # an fp32 (200, 33) b is timed
-    seen = []
-    monkeypatch.setattr(tuning, "least_regret", lambda plans, rows, t: seen.append(1) or plans[-1])
+    monkeypatch.setattr(tuning, "ALONE_FROM_BYTES", 33 * 200 * 4)  # an fp32 (200, 33) b
+    used = []
+    graph = lambda fn, argsets, rep_ms: used.append(("graph", len(argsets))) or 1.0
+    monkeypatch.setattr(split_k, "rotating_graph_ms", graph)
+    monkeypatch.setattr(split_k, "rotating_copies", lambda t, past: [t, t.clone(), t.clone()])
+    monkeypatch.setattr(split_k, "l2_bytes", lambda: 1 << 20)
+    alone = lambda fn, **kw: used.append(("alone", 1)) or 1.0
+    monkeypatch.setattr(split_k.triton.testing, "do_bench", alone)
     x = torch.randn(2, 200, device=DEVICE)
-    product(x, torch.randn(200, 32, device=DEVICE), kind="gemv")  # one column short: untimed
-    assert not seen
+    product(x, torch.randn(200, 32, device=DEVICE), kind="gemv")  # one column short
+    assert used and set(used) == {("graph", 3)}
+    used.clear()
     product(x, torch.randn(200, 33, device=DEVICE), kind="gemv")
-    assert seen == [1]
+    assert used and set(used) == {("alone", 1)}
 
 
 def test_the_tuner_minds_the_worst_row_count():

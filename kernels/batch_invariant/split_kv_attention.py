@@ -269,8 +269,12 @@ def _kv_lens(kv_lens, B, device):
 
 def _check_kv_lens_values(lens, Sk):
     """The values of kv_lens, checked inside the operator: a check that reads a tensor's
-    values would break a torch.compile graph, so it runs where the kernel does."""
-    if lens is not None and bool(((lens < 0) | (lens > Sk)).any()):
+    values would break a torch.compile graph, so it runs where the kernel does. Not while a
+    CUDA graph is being captured, where nothing can be read back: a server that replays one
+    (kernels.llm.serve) checks its positions on the host before each replay."""
+    if lens is None or (lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if bool(((lens < 0) | (lens > Sk)).any()):
         raise ValueError(f"kv_lens must be in [0, Sk = {Sk}], got {lens.tolist()}")
 
 

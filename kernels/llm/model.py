@@ -222,12 +222,6 @@ class Transformer(nn.Module):
             kv_lens = start + S  # (B,) each row's keys once the new ones are written
             length = cache.length if slots is None else last
 
-        freqs = pos[..., None].float() * self.inv_freq  # (B, S, hd/2)
-        freqs = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, S, hd)
-        dtype = self.embed.weight.dtype
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-        x, delta = self.embed(tokens), None  # (B, S, D): the residual stream is x + delta
         shared_start = None
         if (
             cache is not None
@@ -235,13 +229,47 @@ class Transformer(nn.Module):
             and (input_pos is None or isinstance(input_pos, int))
         ):
             shared_start = input_pos or 0
+        layer_cache = None if cache is None else (rows, slots is not None, pos, kv_lens, length)
+        return self._layers(tokens, pos, cache, layer_cache, shared_start)
+
+    def decode_rows(self, tokens, cache: KVCache, positions, slots):
+        """One new token for each of B cache rows, with nothing read back to the host on
+        torch's ops or in batch_invariant_mode (a server can capture it in a CUDA graph and
+        replay it; the course's own attention without the mode reads kv_lens on the host):
+        tokens (B, 1) int64; positions (B,) and
+        slots (B,) int64 tensors on the model's device: row b's token goes to position
+        positions[b] of cache row slots[b] (distinct rows). Attention reads all T positions of
+        the cache, each row masked to its own keys. The values are not checked here (that would
+        read them back): the caller checks them, as kernels.llm.serve does. -> logits (B, 1, V)."""
+        B = tokens.shape[0]
+        if (
+            tokens.dim() != 2
+            or tokens.shape[1] != 1
+            or (positions.shape, slots.shape) != ((B,),) * 2
+        ):
+            raise ValueError(
+                f"decode_rows takes tokens (B, 1) with positions and slots (B,), got "
+                f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(slots.shape)}"
+            )
+        pos = positions[:, None]  # (B, 1)
+        layer_cache = (slots, True, pos, positions + 1, cache.length)
+        return self._layers(tokens, pos, cache, layer_cache, None)
+
+    def _layers(self, tokens, pos, cache, layer_cache, shared_start):
+        """The embedding, the blocks and the head, for new positions `pos` (B, S);
+        layer_cache: (rows, gather, pos, kv_lens, length) as Block.forward takes them, or None."""
+        freqs = pos[..., None].float() * self.inv_freq  # (B, S, hd/2)
+        freqs = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, S, hd)
+        dtype = self.embed.weight.dtype
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+        x, delta = self.embed(tokens), None  # (B, S, D): the residual stream is x + delta
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x, delta = layer(x, delta, cos, sin, self.backend)
             else:
-                layer_cache = (cache.k[i], cache.v[i], rows, slots is not None, pos, kv_lens)
                 x, delta = layer(x, delta, cos, sin, self.backend,
-                                 (*layer_cache, length, shared_start))  # fmt: skip
+                                 (cache.k[i], cache.v[i], *layer_cache, shared_start))  # fmt: skip
         x, _ = ops.add_rms_norm(delta, x, self.norm.weight, self.config.norm_eps, self.backend)
         if hasattr(self, "head_int8"):  # kernels.llm.quant: the head's own int8 copy
             return ops.linear(x, self.head_int8, self.backend, self.head_scale)

@@ -1,13 +1,19 @@
 """A dynamic-batching server for kernels.llm's model, and the Thinking Machines experiment: send
 the same prompt many times among other traffic, count the distinct answers.
 
-The server works like a real one, in miniature: requests arrive over time; a new request is
-prefilled on its own into a free row (slot) of one static KV cache and joins the running
-batch; every step decodes one token for every running request together, in one batch padded
-to the longest (each row's position goes to the model, and each row's KV length to attention
-as `kv_lens`); a request leaves when it has its tokens, and its slot serves the next one. So a
-request's tokens are computed in batches whose size and company change from step to step and
-from run to run. Decoding is greedy: the same prompt "should" always give the same answer.
+The server works like a real one, in miniature: requests arrive over time; the requests that
+arrive at one step are prefilled together (one batch per prompt length) into free rows (slots)
+of one static KV cache and join the running batch; every step decodes one token for every
+running request together, in one batch (each row's position goes to the model, and each row's
+KV length to attention as `kv_lens`); a request leaves when it has its tokens, and its slot
+serves the next one. So a request's tokens are computed in batches whose size and company
+change from step to step and from run to run. Decoding is greedy: the same prompt "should"
+always give the same answer.
+
+As in production servers, a decoding step is padded to the next of a few batch sizes (powers
+of two up to max_batch; the padding rows write into free slots, which a later prefill
+overwrites), and on a GPU each size's step is captured once in a CUDA graph and replayed: the
+decode steps pay no launch overhead, on torch's kernels as in batch_invariant_mode.
 
     with batch_invariant_mode():        # or not: torch's default kernels
         result = run_experiment(model, tokenizer, "Tell me about Richard Feynman.", copies=...)
@@ -18,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels.llm.speed import capture
 
 FILLER_WORDS = "the a of and to in is on it as at by or be an we so he if no up my do go".split()
 
@@ -32,11 +40,15 @@ class Request:
 
 
 @torch.no_grad()
-def serve(model, requests, max_batch, cache_length=None, stop_ids=(), progress=False) -> list:
+def serve(
+    model, requests, max_batch, cache_length=None, stop_ids=(), progress=False, graphs=None
+) -> list:  # fmt: skip
     """Run every request to completion, at most `max_batch` at a time; fills in `tokens` and
     `logprobs` (a request stops after max_new_tokens or a token in `stop_ids`). The static
     cache has max_batch rows of `cache_length` positions (default: the longest request's).
-    Returns `requests`. A request that would overflow the cache is refused before any work."""
+    `graphs`: replay each padded batch size's decoding step from a CUDA graph (default: on a
+    GPU). Returns `requests`. A request that would overflow the cache is refused before any
+    work (so no position a step writes is ever out of the cache: nothing is checked on the GPU)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     needs = [_positions_needed(i, r) for i, r in enumerate(requests)]
@@ -50,31 +62,91 @@ def serve(model, requests, max_batch, cache_length=None, stop_ids=(), progress=F
             )
     device = model.embed.weight.device
     cache = model.new_cache(batch=max_batch, length=length)
+    decoder = Decoder(model, cache, device.type == "cuda" if graphs is None else graphs)
     free_slots = list(range(max_batch))
     waiting = sorted(requests, key=lambda r: r.arrival)  # stable: ties keep their order
     running = []  # (request, slot)
     bar = _progress_bar(sum(r.max_new_tokens for r in requests), progress)
     step = 0
     while waiting or running:
-        while waiting and waiting[0].arrival <= step and free_slots:  # admit and prefill
-            request, slot = waiting.pop(0), free_slots.pop(0)
-            prompt = torch.tensor([request.prompt_ids], dtype=torch.int64, device=device)
-            _sample([request], model(prompt, cache, input_pos=0, slots=[slot])[:, -1], bar)
-            running.append((request, slot))
+        admitted = []
+        while waiting and waiting[0].arrival <= step and free_slots:
+            admitted.append((waiting.pop(0), free_slots.pop(0)))
+        for group in _by_prompt_length(admitted):  # prefill: one batch per prompt length
+            prompts = torch.tensor([r.prompt_ids for r, _ in group], device=device)  # (n, S)
+            logits = model(prompts, cache, input_pos=0, slots=[s for _, s in group])[:, -1]
+            _sample([r for r, _ in group], logits, bar)
+        running += admitted
         for request, slot in [(r, s) for r, s in running if _done(r, stop_ids)]:
             running.remove((request, slot))  # done: its slot is free for the next request
             free_slots.append(slot)
             bar.update(request.max_new_tokens - len(request.tokens))  # stopped early
         if running:  # one decoding step for everyone running, in one padded batch
-            last = [[r.tokens[-1]] for r, _ in running]
-            tokens = torch.tensor(last, dtype=torch.int64, device=device)  # (B, 1)
-            starts = [len(r.prompt_ids) + len(r.tokens) - 1 for r, _ in running]
-            slots = [s for _, s in running]
-            logits = model(tokens, cache, input_pos=starts, slots=slots)[:, -1]  # (B, V)
+            positions = [len(r.prompt_ids) + len(r.tokens) - 1 for r, _ in running]
+            logits = decoder(
+                [r.tokens[-1] for r, _ in running], positions, [s for _, s in running], free_slots
+            )
             _sample([r for r, _ in running], logits, bar)
         step += 1
     bar.close()
     return requests
+
+
+def _by_prompt_length(admitted) -> list:
+    groups = {}
+    for request, slot in admitted:
+        groups.setdefault(len(request.prompt_ids), []).append((request, slot))
+    return list(groups.values())
+
+
+def padded_batch(n: int, max_batch: int) -> int:
+    """The batch size a step of n running rows is padded to: the next power of two, at most
+    max_batch (so 1, 2, 4, ..., max_batch: a handful of shapes, each captured once)."""
+    return min(max_batch, 1 << (n - 1).bit_length())
+
+
+class Decoder:
+    """decoder(tokens, positions, slots, free_slots) -> (n, V) logits: one decoding step for n
+    running rows (token, position and cache slot each), padded to padded_batch(n) rows with
+    free slots at position 0, through model.decode_rows. With graphs, each padded size is
+    captured in a CUDA graph on first use (its inputs copied into fixed buffers before each
+    replay); without, it runs eagerly, padded the same way."""
+
+    def __init__(self, model, cache, graphs: bool):
+        self.model, self.cache, self.graphs = model, cache, graphs
+        self.device = model.embed.weight.device
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA GPU, it is on {self.device}")
+        self.steps = {}  # padded size -> (inputs (tokens, positions, slots), replay, logits)
+
+    def __call__(self, tokens, positions, slots, free_slots) -> torch.Tensor:
+        n = len(tokens)
+        size = padded_batch(n, self.cache.batch)
+        pad = size - n
+        values = (
+            [[t] for t in tokens] + [[0]] * pad,  # (size, 1)
+            list(positions) + [0] * pad,
+            list(slots) + list(free_slots[:pad]),
+        )
+        if not self.graphs:
+            return self._step(self._tensors(values))()[:n, -1]
+        if size not in self.steps:
+            inputs = self._tensors(values)
+            # the warm-up runs compute this very step (writing the same keys at the same
+            # positions), and the replay below computes it once more: the same values
+            self.steps[size] = (inputs, *capture(self._step(inputs)))
+        inputs, replay, logits = self.steps[size]
+        for buffer, v in zip(inputs, values, strict=True):
+            buffer.copy_(torch.tensor(v, dtype=torch.int64), non_blocking=False)
+        replay()
+        return logits[:n, -1]
+
+    def _tensors(self, values):
+        return [torch.tensor(v, dtype=torch.int64, device=self.device) for v in values]
+
+    def _step(self, inputs):
+        tokens, positions, slots = inputs
+        return lambda: self.model.decode_rows(tokens, self.cache, positions, slots)
 
 
 def _positions_needed(i, request) -> int:
@@ -168,7 +240,7 @@ def first_divergence(completions) -> int | None:
 @torch.no_grad()
 def run_experiment(
     model, tokenizer, prompt, copies, new_tokens, fillers, max_batch, spread, seed=0,
-    progress=False,
+    progress=False, graphs=None,
 ):  # fmt: skip
     """Serve `copies` greedy completions of the chat prompt `prompt` among `fillers` other
     requests (seeded traffic) and summarize the copies' answers, with the wall time."""
@@ -179,7 +251,7 @@ def run_experiment(
     if model.embed.weight.is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    serve(model, traffic, max_batch, stop_ids=stop, progress=progress)
+    serve(model, traffic, max_batch, stop_ids=stop, progress=progress, graphs=graphs)
     if model.embed.weight.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
