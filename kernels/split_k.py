@@ -226,7 +226,8 @@ def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, 
                 return triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")
             # a few microseconds, under do_bench's fixed cost per call: back to back in a CUDA
             # graph over copies of b that together outgrow the L2, as a model's layers run
-            copies[:] = copies or rotating_copies(b, l2_bytes())
+            # (at most 256 of them: a tiny b's ranking needs no more, and its graph stays short)
+            copies[:] = copies or rotating_copies(b, min(l2_bytes(), 255 * b.nbytes))
             return rotating_graph_ms(run, [(w,) for w in copies], rep_ms=20)
         except (OutOfResources, PTXASError):  # a tile too large for this GPU never wins
             return float("inf")

@@ -272,8 +272,11 @@ def _triton_op_block():
             block = triton.next_power_of_2(cols)
             wrap_triton(norm.rms_norm_fwd_kernel)[(rows,)](
                 x, w, y, rstd, cols, x.stride(0), cols, 1e-6, x, y, x.stride(0),
-                BLOCK=block, HAS_RESIDUAL=False, num_warps=norm.num_warps(block, 32),
+                BLOCK=block, HAS_RESIDUAL=False, SAVE_STATS=True,
+                num_warps=norm.num_warps(block, 32),
             )  # fmt: skip
+            # every constexpr passed: Inductor (torch 2.11) drops a defaulted one that is not
+            # from its launcher's signature, and the compiled call fails ("missing '_grid_2'")
             return y
 
         @triton_op("brrr_triton::linear_gelu", mutates_args={})
