@@ -13,6 +13,12 @@ swiglu_linear(gate_up, w_down): the same product computed while the down project
   loads its input (kernels.split_k's GATED tiles), bit for bit what silu_mul then
   kernels.gemv.linear give, with one launch fewer: a decode step's rows only (M <= 64).
 
+attention(q, k, v, kv_lens): one query a row (decode) over a KV cache, with grouped-query
+  heads: the GROUP query heads that share a key/value head are one tile of rows, so each key
+  and value is read once for all of them, and the keys are cut into enough splits to fill the
+  SMs (Chapter 5's split-KV kernels, split finer: a step has too few heads to fill a GPU with
+  one program each, which left a 512-key decode at 9 programs reading in sequence).
+
 Rotary here is rotate_half's (dimension i pairs with i + hd/2, as kernels.llm.model.rotary):
   out[i]        = x[i] cos[i] - x[i + hd/2] sin[i]
   out[i + hd/2] = x[i + hd/2] cos[i + hd/2] + x[i] sin[i + hd/2]
@@ -29,8 +35,11 @@ import triton
 import triton.language as tl
 
 from kernels import gemv, int8
+from kernels.attention import check_attention_inputs
+from kernels.batch_invariant import split_kv_attention
 from kernels.launch import launch
 from kernels.primitives import swiglu
+from kernels.runtime import processors
 from kernels.split_k import product
 from kernels.validate import check_tensor
 
@@ -197,3 +206,30 @@ def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -
     if scale is not None:
         return int8.linear_ref(act, weight, scale)
     return gemv.linear_ref(act, weight)
+
+
+def decode_split(Sk: int, kv_heads: int, sms: int | None = None) -> int:
+    """Keys a split for decode attention: enough splits that the key/value heads times the
+    splits cover the SMs twice, each a whole number of BLOCK_N keys. From (Sk, kv_heads) and
+    the device alone, never the batch: a row's bits do not depend on its company. 512 keys and
+    3 key/value heads on 132 SMs: splits of 64, 8 a head, 24 programs a row."""
+    block = split_kv_attention.CONFIG["BLOCK_N"]
+    want = triton.cdiv(2 * (sms or processors()), max(kv_heads, 1))
+    return block * triton.cdiv(triton.cdiv(max(Sk, 1), want), block)
+
+
+def attention(q, k, v, kv_lens=None, sm_scale=None) -> torch.Tensor:
+    """softmax(q k^T * sm_scale) v for one query a row: q (B, H, 1, D) over k and v
+    (B, H_kv, Sk, D), H a multiple of H_kv; the query is the row's last position, so it sees
+    every key (or row b's first kv_lens[b], a (B,) integer tensor). -> (B, H, 1, D) in q's
+    dtype, fp32 arithmetic."""
+    sm_scale = check_attention_inputs(q, k, v, sm_scale)
+    B, H, Sq, D = q.shape
+    if Sq != 1:
+        raise ValueError(f"decode attention takes one query a row, got q of shape {tuple(q.shape)}")
+    H_kv = k.shape[1]
+    lens = split_kv_attention._kv_lens(kv_lens, B, q.device)
+    grouped = q.reshape(B, H_kv, H // H_kv, D)  # query heads kv_h * GROUP + g: rows of kv_h
+    split = decode_split(k.shape[2], H_kv)
+    out = split_kv_attention._attention(grouped, k, v, False, sm_scale, lens, split)
+    return out.view(B, H, 1, D)

@@ -69,6 +69,9 @@ GEMV_TILES = pick(
         Tile(32, 64, 128, num_warps=4, num_stages=4),
         Tile(64, 64, 128, num_warps=4, num_stages=3),
         Tile(64, 128, 64, num_warps=4, num_stages=4),
+        # a small model's narrow weights (576 x 576: 9 programs at BLOCK_N = 64): more programs
+        Tile(16, 16, 256, num_warps=2, num_stages=3),
+        Tile(16, 16, 128, num_warps=2, num_stages=4),
     ],
 )
 # int8 weights: half the bytes per element, so twice the K per load for the same bytes.
@@ -80,6 +83,7 @@ INT8_TILES = pick(
         Tile(16, 128, 128, num_warps=4, num_stages=3),
         Tile(32, 64, 256, num_warps=4, num_stages=3),
         Tile(64, 64, 256, num_warps=4, num_stages=3),
+        Tile(16, 16, 256, num_warps=2, num_stages=3),
     ],
 )
 TILES = {"matmul": MATMUL_TILES, "gemv": GEMV_TILES, "int8": INT8_TILES}

@@ -129,3 +129,54 @@ def test_swiglu_linear_rejects_a_mismatched_weight():
         decode.swiglu_linear(
             torch.zeros((2, 10), device=DEVICE), torch.zeros((4, 4), device=DEVICE)
         )
+
+
+# --- decode attention: one query a row, the group's heads in one tile, keys split finely ----
+
+
+def _lens_ref(q, k, v, kv_lens=None):
+    from kernels.batch_invariant.split_kv_attention import attention_ref
+
+    return attention_ref(q, k, v, causal=False, kv_lens=kv_lens)
+
+
+def _sdpa_same_dtype(q, k, v, kv_lens=None):
+    from kernels.llm.ops import sdpa_attention
+
+    return sdpa_attention(q, k, v, causal=True, kv_lens=kv_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(2, 6, 2, 77, 40), (1, 9, 3, 513, 64), (3, 4, 4, 5, 16), (2, 8, 1, 130, 128)],
+    ids=lambda s: "B{}-H{}-Hkv{}-Sk{}-D{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("with_lens", [False, True], ids=["all-keys", "kv_lens"])
+def test_decode_attention_matches_fp64(shape, dtype, with_lens):
+    B, H, Hkv, Sk, D = shape
+    q = check.random_tensor((B, H, 1, D), dtype, seed=1)
+    k = check.random_tensor((B, Hkv, Sk, D), dtype, seed=2)
+    v = check.random_tensor((B, Hkv, Sk, D), dtype, seed=3)
+    lens = torch.tensor([max(1, Sk - 7 * b) for b in range(B)], device=DEVICE) if with_lens else None
+    r = check.against_fp64(
+        decode.attention, q, k, v, lens, ref=_lens_ref, op="attention", baseline=_sdpa_same_dtype
+    )
+    assert r.ok, r.message
+
+
+def test_decode_attention_splits_from_the_shape_alone():
+    assert decode.decode_split(512, 3, sms=132) == 64  # 8 splits a head: 24 programs a row
+    assert decode.decode_split(512, 8, sms=132) == 64  # cdiv(264, 8) = 33 wanted, 8 possible
+    assert decode.decode_split(100_000, 8, sms=132) == 3072  # 33 splits of 48 blocks (or less)
+    assert decode.decode_split(1, 3, sms=132) == 64  # at least one block
+    params = list(__import__("inspect").signature(decode.decode_split).parameters)
+    assert params == ["Sk", "kv_heads", "sms"]  # never the batch
+
+
+def test_decode_attention_rejects_more_than_one_query_clearly():
+    q = torch.zeros((1, 4, 2, 16), device=DEVICE)
+    kv = torch.zeros((1, 2, 8, 16), device=DEVICE)
+    with pytest.raises(ValueError, match="decode attention takes one query a row"):
+        decode.attention(q, kv, kv)
+    with pytest.raises(ValueError, match="kv_lens must be in"):
+        decode.attention(q[:, :, :1], kv, kv, torch.tensor([9], device=DEVICE))

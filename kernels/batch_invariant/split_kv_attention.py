@@ -199,8 +199,10 @@ def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tenso
 
 def _attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float,
-    lens: torch.Tensor | None,
+    lens: torch.Tensor | None, split_size: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
+    """The two launches; split_size: keys a split (a multiple of BLOCK_N), CONFIG's if None
+    (kernels.decode.attention picks its own from the shape: the same kernels, split finer)."""
     B, H, Sq, D = q.shape
     Sk, group = k.shape[2], H // max(k.shape[1], 1)
     _check_kv_lens_values(lens, Sk)
@@ -210,7 +212,7 @@ def _attention(
     if Sk == 0:
         return out.zero_()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    cfg = CONFIG
+    cfg = CONFIG if split_size is None else {**CONFIG, "SPLIT_SIZE": split_size}
     n_splits = triton.cdiv(Sk, cfg["SPLIT_SIZE"])
     block_d = padded_head_dim(D)
     n_rows = B * H * Sq

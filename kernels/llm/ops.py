@@ -2,7 +2,8 @@
 
     backend "torch":    F.linear, an RMSNorm written with `mean`, scaled_dot_product_attention
     backend "kernels":  kernels.gemv / kernels.matmul, kernels.norm.rms_norm and add_rms_norm,
-                        kernels.attention; an int8 weight (kernels.llm.quant) goes to kernels.int8
+                        kernels.attention (kernels.decode.attention for one query a row); an
+                        int8 weight (kernels.llm.quant) goes to kernels.int8
 
 Inside `batch_invariant_mode()` both run batch-invariant: "kernels" calls the
 kernels.batch_invariant ops itself; "torch" gets them from the mode, which routes aten::mm,
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import attention as course_attention
-from kernels import batch_invariant, gemv, int8
+from kernels import batch_invariant, decode, gemv, int8
 from kernels import matmul as course_matmul
 from kernels import norm as course_norm
 
@@ -76,6 +77,8 @@ def attention(q, k, v, kv_lens, backend):
         return batch_invariant.attention(q, k, v, causal=True, kv_lens=kv_lens)
     if backend == "torch":
         return sdpa_attention(q, k, v, causal=True, kv_lens=kv_lens)
+    if q.shape[2] == 1:  # decode: a group's query heads share one tile, the keys split finely
+        return decode.attention(q, k, v, kv_lens)
     if kv_lens is None:
         return course_attention.attention(q, k, v, causal=True)
     # kernels.attention has no kv_lens: one launch for each distinct length, over its keys
