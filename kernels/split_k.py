@@ -26,7 +26,6 @@ partials written and read once (8 * splits * M * N); FLOPs 2 * M * N * K. Forwar
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 from triton.runtime.errors import OutOfResources, PTXASError
 
 from kernels import split_k_tuning as tuning
@@ -214,20 +213,15 @@ def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, 
         return matmul_ref(a[:, :0], b.to(a.dtype), bias, activation)
     key = (a.dtype, b.dtype, a.device.index, input_precision(a.dtype), gated)
 
-    timed_alone = N * K * b.element_size() >= tuning.ALONE_FROM_BYTES
-    copies = []  # a small b's rotating copies, made on the first timing
+    copies = []  # b's rotating copies, made on the first timing
 
     def time_plan(candidate, rows):  # a fresh a of `rows` rows, the caller's b, scale, bias
         x = torch.randn((rows, a.shape[1]), device=a.device).to(a.dtype)
         run = lambda w: _run(x, w, candidate, scale, bias, activation, gated)
-        try:  # short runs: a ranking, not a measurement
-            if timed_alone:
-                call = lambda: run(b)
-                return triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")
-            # a few microseconds, under do_bench's fixed cost per call: back to back in a CUDA
-            # graph over copies of b that together outgrow the L2, as a model's layers run
-            # (at most 256 of them: a tiny b's ranking needs no more, and its graph stays short)
-            copies[:] = copies or rotating_copies(b, min(l2_bytes(), 255 * b.nbytes))
+        # back to back in a CUDA graph over copies of b that outgrow the L2 (at most 256: a
+        # tiny b's ranking needs no more): short runs, a ranking, not a measurement
+        copies[:] = copies or rotating_copies(b, min(l2_bytes(), 255 * b.nbytes))
+        try:
             return rotating_graph_ms(run, [(w,) for w in copies], rep_ms=20)
         except (OutOfResources, PTXASError):  # a tile too large for this GPU never wins
             return float("inf")

@@ -4,8 +4,8 @@ tile, and how many pieces K is cut into, for a product with an N x K right-hand 
 Every choice here is a function of (N, K, the dtypes, the device), never of M, the number of
 rows: a row's bits then cannot depend on how many rows are batched with it (Chapter 5). On a
 GPU the tile comes from a small list, timed once per (kind, N, K, dtypes) at fixed row counts
-(TUNE_ROWS, not the caller's M) and kept for the rest of the process (ALONE_FROM_BYTES says
-how); the interpreter takes one small tile, untimed. Set AUTOTUNE = False to take each list's
+(TUNE_ROWS, not the caller's M, in a CUDA graph: see below) and kept for the rest of the
+process; the interpreter takes one small tile, untimed. Set AUTOTUNE = False to take each list's
 first entry without timing (the same choice in every process, where timing noise could pick
 differently). The first call of a shape does that timing: make it before any CUDA graph
 capture (a warm-up call, as torch.compile's "reduce-overhead" mode and bench.rotating_graph_ms
@@ -91,12 +91,11 @@ TILES = {"matmul": MATMUL_TILES, "gemv": GEMV_TILES, "int8": INT8_TILES}
 TUNE_ROWS = {"matmul": (256,), "gemv": (1, 16, 64), "int8": (1, 16, 64)}
 
 AUTOTUNE = ON_GPU
-# A right-hand side at least this large is timed call by call (do_bench); a smaller one runs
-# in a few microseconds, below the fixed ~4.6 us that each do_bench call pays, which made its
-# ranking noise (on an H200, such choices gave a SmolLM2 decode step of 1.0 ms in one run and
-# 1.5 ms in another): its plans are timed back to back in a CUDA graph instead, over copies of
-# the weight that outgrow the L2 (bench.rotating_graph_ms), as a model's decode step runs them.
-ALONE_FROM_BYTES = 8 << 20
+# How a plan is timed: back to back in a CUDA graph, over copies of the weight that together
+# outgrow the L2 (bench.rotating_graph_ms), as a model's decode step runs its layers and as the
+# chapters measure the GEMVs. One call at a time, do_bench's fixed ~4.6 us a call made a small
+# weight's ranking noise (on an H200, such choices gave a SmolLM2 decode step of 1.0 ms in one
+# run and 1.5 ms in another), and a large weight's choice could disagree with the graph.
 MAX_SPLITS = 128
 # Each piece keeps at least this many BLOCK_K steps, so its loads can pipeline. The CPU value
 # lets small test shapes split too.
@@ -157,7 +156,10 @@ def least_regret(plans, rows, time_plan):
     """The plan whose time at its worst row count is closest to that row count's best."""
     times = {(p, m): time_plan(p, m) for p in plans for m in rows}  # inf: did not run
     best = {m: min(times[p, m] for p in plans) for m in rows}
-    return min(plans, key=lambda p: max(times[p, m] / best[m] for m in rows))
+    ran = [m for m in rows if best[m] < float("inf")]  # a row count no plan ran at says nothing
+    if not ran:
+        return plans[0]
+    return min(plans, key=lambda p: max(times[p, m] / best[m] for m in ran))
 
 
 def chosen_plans() -> dict:

@@ -157,7 +157,8 @@ def test_decode_attention_matches_fp64(shape, dtype, with_lens):
     q = check.random_tensor((B, H, 1, D), dtype, seed=1)
     k = check.random_tensor((B, Hkv, Sk, D), dtype, seed=2)
     v = check.random_tensor((B, Hkv, Sk, D), dtype, seed=3)
-    lens = torch.tensor([max(1, Sk - 7 * b) for b in range(B)], device=DEVICE) if with_lens else None
+    lens = [max(1, Sk - 7 * b) for b in range(B)] if with_lens else None
+    lens = None if lens is None else torch.tensor(lens, device=DEVICE)
     r = check.against_fp64(
         decode.attention, q, k, v, lens, ref=_lens_ref, op="attention", baseline=_sdpa_same_dtype
     )
