@@ -3,13 +3,15 @@ pieces, for products whose output has too few tiles to fill the GPU (a 256 x 256
 tiles of 128 x 128 for 132 SMs) while K is long (524288), and for the decode GEMV
 (kernels.gemv, kernels.int8) where M is 1 to 64 and the weight's N x K is everything.
 
-Two kernels. split_k_kernel: program (tile, split) computes one BLOCK_M x BLOCK_N tile of the
-output over one slice of K, accumulating in fp32, and stores it into a partial-sums buffer
-(splits, M, N) in fp32. split_k_reduce_kernel: each output element is the sum of its partials
-in a fixed order (split 0, then 1, 2, ...), then the epilogue (per-column scale, bias,
-activation), stored in the output dtype. No atomics: the order of every addition is fixed, so
-the result is the same run to run. With one piece the first kernel applies the epilogue and
-stores the output itself (no partials, no second launch).
+split_k_kernel: program (tile, split) computes one BLOCK_M x BLOCK_N tile of the output over
+one slice of K, accumulating in fp32, and stores it into a partial-sums buffer (splits, M, N)
+in fp32. Each output element is then the sum of its partials in a fixed order (split 0, then
+1, 2, ...), then the epilogue (per-column scale, bias, activation), stored in the output dtype:
+done by the tile's last program to finish (kernels.arrivals: an arrival counter, no second
+launch), or by split_k_reduce_kernel, the same sum in a second launch (where no counters are to
+be had). No atomic touches a value: the order of every addition is fixed, so the result is the
+same run to run, and the same either way. With one piece the first kernel applies the epilogue
+and stores the output itself (no partials).
 
 Batch invariance: the number of pieces, and the tile, are functions of (N, K), the dtypes and
 the device (kernels.split_k_tuning), never of M. A row's sum is then cut at the same places
@@ -28,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources, PTXASError
 
+from kernels import arrivals
 from kernels import split_k_tuning as tuning
 from kernels.bench import l2_bytes, rotating_copies, rotating_graph_ms
 from kernels.launch import launch
@@ -82,9 +85,10 @@ def load_a(a_ptrs, mask, K, stride_ak, GATED: tl.constexpr):
 # kernel for every M is the point (kernels.batch_invariant.full_k_matmul does the same).
 @triton.jit(do_not_specialize=["M"], launch_metadata=split_k_metadata)
 def split_k_kernel(
-    a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, bias_ptr, M, N, K, k_per_split,
+    a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, bias_ptr, count_ptr, M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DIRECT: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -135,8 +139,33 @@ def split_k_kernel(
         c_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # partials (splits, M, N), contiguous fp32
-        part = part_ptr + split.to(tl.int64) * M * N
-        tl.store(part + rows.to(tl.int64)[:, None] * N + cols[None, :], acc, mask=mask)
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(part_ptr + split.to(tl.int64) * M * N + offsets, acc, mask=mask)
+        if LAST_SUMS:  # the tile's last piece to finish sums them all (kernels.arrivals)
+            tiles = tiles_m * tiles_n
+            tile = pid % tiles
+            tl.debug_barrier()  # every thread's partial is stored before the count
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+            if arrived == tl.num_programs(0) // tiles - 1:
+                acc = sum_partials(part_ptr + offsets, M * N, tl.num_programs(0) // tiles, mask)
+                acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS,
+                                      ACTIVATION)  # fmt: skip
+                c_ptrs = (
+                    out_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+                )
+                tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(count_ptr + tile, 0)  # at 0 again for the next launch
+
+
+@triton.jit
+def sum_partials(part_ptrs, split_stride, splits, mask):
+    """Split 0's partials, plus split 1's, 2's, ...: one order for every element, whichever
+    kernel sums them. Loaded through L2 only (.cg): another program wrote them."""
+    acc = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for _ in range(1, splits):
+        part_ptrs += split_stride
+        acc += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"], launch_metadata=split_k_metadata)
@@ -151,10 +180,7 @@ def split_k_reduce_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]  # 64-bit: rows are int64
-    acc = tl.load(part_ptrs, mask=mask, other=0.0)
-    for _ in range(1, splits):  # split 0, then 1, 2, ...: one order for every element
-        part_ptrs += split_stride
-        acc += tl.load(part_ptrs, mask=mask, other=0.0)
+    acc = sum_partials(part_ptrs, split_stride, splits, mask)
     acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
     c_ptrs = out_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -176,14 +202,15 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
     bias = out if bias is None else bias
     tiles = triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
+    count = None if plan.splits == 1 else arrivals.counters(a.device, tiles)
     launch(split_k_kernel, (tiles * plan.splits,),
-        a, b, out, parts, scale, bias, M, N, K, plan.k_per_split,
-        *a.stride(), *b.stride(), *out.stride(),
-        DIRECT=plan.splits == 1, EVEN_K=K % tile.BLOCK_K == 0,
+        a, b, out, parts, scale, bias, out if count is None else count, M, N, K,
+        plan.k_per_split, *a.stride(), *b.stride(), *out.stride(),
+        DIRECT=plan.splits == 1, LAST_SUMS=count is not None, EVEN_K=K % tile.BLOCK_K == 0,
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
         **flags, **meta,
     )  # fmt: skip
-    if plan.splits > 1:
+    if plan.splits > 1 and count is None:  # no counters to be had: a second launch sums
         block_m = min(16, triton.next_power_of_2(M))
         block_n = min(triton.next_power_of_2(N), max(64, 1024 // block_m))
         grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))

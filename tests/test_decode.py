@@ -181,3 +181,24 @@ def test_decode_attention_rejects_more_than_one_query_clearly():
         decode.attention(q, kv, kv)
     with pytest.raises(ValueError, match="kv_lens must be in"):
         decode.attention(q[:, :, :1], kv, kv, torch.tensor([9], device=DEVICE))
+
+
+@pytest.mark.parametrize("case", ["prefill-causal", "decode-kv_lens"])
+def test_split_kv_attention_combines_in_its_last_split_as_the_combine_kernel_does(
+    monkeypatch, case
+):
+    """The tile's last split program to finish combines the splits (an arrival counter) with
+    the combine kernel's arithmetic in its order: bit for bit its result, counters back at 0."""
+    from kernels import arrivals
+    from kernels import batch_invariant as bi
+
+    Sq, lens = (37, None) if case == "prefill-causal" else (1, [300, 131, 64])
+    q = check.random_tensor((3, 4, Sq, 40), seed=5)
+    k = check.random_tensor((3, 2, 300, 40), seed=6)  # 5 splits of 64 keys on a CPU
+    v = check.random_tensor((3, 2, 300, 40), seed=7)
+    lens = None if lens is None else torch.tensor(lens, device=DEVICE)
+    with check.poisoned_allocations():  # a partial read before it is written shows
+        one_launch = bi.attention(q, k, v, causal=True, kv_lens=lens)
+    assert not arrivals.counters(q.device, 1).any()
+    monkeypatch.setattr(arrivals, "counters", lambda device, tiles: None)
+    assert torch.equal(one_launch, bi.attention(q, k, v, causal=True, kv_lens=lens))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from params import DTYPES, assert_rows_invariant
 
-from kernels import check, split_k
+from kernels import arrivals, check, split_k
 from kernels import split_k_tuning as tuning
 from kernels.runtime import DEVICE
 from kernels.split_k import matmul_split_k, matmul_split_k_op, matmul_split_k_ref, product
@@ -127,6 +127,23 @@ def test_a_split_chosen_from_m_would_change_the_bits():
 def test_run_to_run_bitwise_identical():
     a, b = operands(17, 33, 500, torch.float32, seed=9)
     assert torch.equal(matmul_split_k(a, b), matmul_split_k(a, b))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("activation", [None, "gelu"], ids=str)
+def test_the_last_piece_sums_as_the_second_kernel_does(monkeypatch, splits, activation):
+    """The tile's last program to finish (an arrival counter) sums the partials in the reduce
+    kernel's order: bit for bit its result; and it leaves every counter at 0 for the next
+    launch."""
+    a, b = operands(19, 70, 300, torch.float32, seed=13)
+    bias = check.random_tensor((70,), seed=14)
+    with check.poisoned_allocations():  # a partial summed before it is written shows
+        one_launch = matmul_split_k(a, b, bias, activation, splits)
+    counts = arrivals.counters(a.device, 1)
+    assert counts is not None and not counts.any()
+    monkeypatch.setattr(arrivals, "counters", lambda device, tiles: None)
+    two_launches = matmul_split_k(a, b, bias, activation, splits)
+    assert torch.equal(one_launch, two_launches)
 
 
 def test_non_contiguous_operands():

@@ -11,7 +11,9 @@ in one decoding step over the KV cache, and whatever else is in the batch. So:
   split size of 256 are 256 + 256 + 256 + 232, never 4 x 250 as a fixed NUMBER of splits
   would give); each program reduces one split for BLOCK_M queries of one (batch, head), in
   blocks of BLOCK_N keys, with an online softmax; the same BLOCK_M serves every Sq;
-- a second kernel combines a query's splits in order. Keys a query may not see (beyond its
+- a query's splits are combined in order, by the last split program of its tile to finish
+  (kernels.arrivals: no second launch) or, where no counters are to be had, by a second
+  kernel; the same arithmetic in the same order either way. Keys a query may not see (beyond its
   sequence's `kv_lens`, or in its causal future) add exact zeros, and splits it cannot see at
   all are skipped exactly: neither changes its bits.
 
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import arrivals
 from kernels.attention import attention_ref as course_attention_ref
 from kernels.attention import check_attention_inputs
 from kernels.attention_tuning import block_d as padded_head_dim
@@ -72,12 +75,12 @@ def combine_metadata(grid, kernel, args) -> dict:
 
 @triton.jit(do_not_specialize=["H", "GROUP", "Sq", "Sk"], launch_metadata=split_metadata)
 def attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, kv_lens_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, kv_lens_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr,
     H, GROUP, Sq, Sk, D, n_splits, qk_scale,  # GROUP = H // H_kv query heads per k/v head
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     HAS_KV_LENS: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_SIZE: tl.constexpr,
 ):  # fmt: skip
@@ -142,32 +145,38 @@ def attention_split_kernel(
             acc += tl.reduce(pv, 1, add_combine)
         m_i = m_new
 
-    row = ((b * H + h) * Sq + offs_m) * n_splits + split  # (B, H, Sq, n_splits) partials
+    rows = (b * H + h) * Sq + offs_m  # (B, H, Sq) rows, each with n_splits partials
+    row = rows * n_splits + split
     row_ok = offs_m < Sq
     tl.store(m_ptr + row, m_i, mask=row_ok)
     tl.store(l_ptr + row, l_i, mask=row_ok)
     tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+    if LAST_COMBINES:  # this tile's last split to finish combines them all (kernels.arrivals)
+        tile = pid_bh * tl.num_programs(1) + pid_m
+        tl.debug_barrier()  # every thread's partials are stored before the count
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == n_splits - 1:
+            combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, rows, row_ok, n_splits, D, BLOCK_D)
+            tl.atomic_xchg(count_ptr + tile, 0)  # at 0 again for the next launch
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_splits"], launch_metadata=combine_metadata)
-def attention_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    # One (batch, head, query) row per lane, its splits combined in order. A split the query
-    # cannot see has m = -inf, l = 0, acc = 0: it scales by exp2(-inf) = 0 and adds exact zeros.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
+@triton.jit
+def combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, rows, row_ok, n_splits, D,
+                   BLOCK_D: tl.constexpr):  # fmt: skip
+    """Rows' splits combined in order 0, 1, 2, ... and stored: by the combine kernel, or by a
+    tile's last split kernel. A split the query cannot see has m = -inf, l = 0, acc = 0: it
+    scales by exp2(-inf) = 0 and adds exact zeros. Partials load through L2 only (.cg): other
+    programs wrote them."""
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
-    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-    l = tl.full((BLOCK_R,), 0.0, dtype=tl.float32)
-    acc = tl.full((BLOCK_R, BLOCK_D), 0.0, dtype=tl.float32)
+    m = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
+    l = tl.full(rows.shape, 0.0, dtype=tl.float32)
+    acc = tl.full((rows.shape[0], BLOCK_D), 0.0, dtype=tl.float32)
     for split in range(0, n_splits):
         part = rows * n_splits + split
-        m_s = tl.load(m_ptr + part, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(l_ptr + part, mask=row_ok, other=0.0)
+        m_s = tl.load(m_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(l_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
         acc_s = tl.load(acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)  # fmt: skip
+                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
         m_new = tl.maximum(m, m_s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale_old = tl.exp2(m - m_use)
@@ -180,6 +189,16 @@ def attention_combine_kernel(
     tl.store(
         out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D)
     )
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_splits"], launch_metadata=combine_metadata)
+def attention_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One (batch, head, query) row per lane, its splits combined in order.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, rows, rows < n_rows, n_splits, D, BLOCK_D)
 
 
 def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tensor:
@@ -220,20 +239,24 @@ def _attention(
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((n_rows * n_splits, block_d), dtype=torch.float32, device=q.device)
     grid = (B * H, triton.cdiv(Sq, cfg["BLOCK_M"]), n_splits)
+    count = arrivals.counters(q.device, grid[0] * grid[1])  # None: the combine kernel combines
     launch(attention_split_kernel, grid,
-        q, k, v, lens if lens is not None else part_m, part_m, part_l, part_acc,
+        q, k, v, lens if lens is not None else part_m, part_m, part_l, part_acc, out,
+        part_m if count is None else count,
         H, group, Sq, Sk, D, n_splits, sm_scale * LOG2E.value,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HAS_KV_LENS=lens is not None, CAUSAL=bool(causal),
         INPUT_PRECISION=input_precision(q.dtype), USE_DOT=not INTERPRET,
+        LAST_COMBINES=count is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=split_stages(q.dtype, block_d),
     )  # fmt: skip
-    launch(attention_combine_kernel, (triton.cdiv(n_rows, cfg["BLOCK_R"]),),
-        part_m, part_l, part_acc, out, n_rows, n_splits, D,
-        BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
-    )  # fmt: skip
+    if count is None:
+        launch(attention_combine_kernel, (triton.cdiv(n_rows, cfg["BLOCK_R"]),),
+            part_m, part_l, part_acc, out, n_rows, n_splits, D,
+            BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return out
 
 
