@@ -5,6 +5,17 @@ import kernels  # noqa: F401  (fixes the mode before any kernel module is import
 from kernels.runtime import ON_GPU
 
 
+@pytest.fixture(autouse=True)
+def untuned_split_k(monkeypatch):
+    """The split-K, GEMV and int8 kernels take each tile list's first candidate, untimed
+    (kernels.split_k_tuning.AUTOTUNE, already off on a CPU): tests check results, which every
+    plan must get right (tests/test_split_k.py runs every candidate on the GPU), and timing each
+    new shape's candidates would cost seconds a shape. Tests of the tuner turn it back on."""
+    from kernels import split_k_tuning
+
+    monkeypatch.setattr(split_k_tuning, "AUTOTUNE", False)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "two_gpus: needs 2 CUDA GPUs (NCCL); skipped on fewer")
 

@@ -205,6 +205,30 @@ def test_large_k_on_the_gpu():
     assert_rows_invariant(lambda t: matmul_split_k(t, b), a[:40], batches=range(1, 41))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemv", "int8", "matmul"])
+def test_every_candidate_plan_on_the_gpu(monkeypatch, kind):
+    """The suite runs untuned (tests/conftest.py: each list's first candidate); here every
+    candidate, split and unsplit, on one odd shape against fp64."""
+    from kernels import gemv, int8
+
+    m, n, k = (3, 1000, 3000) if kind != "matmul" else (200, 300, 20000)
+    a, b = operands(m, n, k, torch.bfloat16, seed=21)
+    weight = b.t().contiguous()  # (N, K), as a linear layer holds it
+    qweight, scale = int8.quantize(weight)
+    for candidate in tuning.candidates(kind, n, k):
+        monkeypatch.setattr(tuning, "plan", lambda *args, c=candidate, **kwargs: c)
+        if kind == "gemv":
+            r = check.against_fp64(gemv.linear, a, weight, ref=gemv.linear_ref, op="matmul",
+                                   baseline=torch.nn.functional.linear)  # fmt: skip
+        elif kind == "int8":
+            r = check.against_fp64(int8.linear, a, qweight, scale, ref=int8.linear_ref, op="matmul")
+        else:
+            r = check.against_fp64(matmul_split_k, a, b, ref=matmul_split_k_ref, op="matmul",
+                                   baseline=torch_same_dtype)  # fmt: skip
+        assert r.ok, f"{candidate}: {r.message}"
+
+
 # --- kernels.matmul routes small outputs with a long K here (matmul_tuning.plan) -------------
 @pytest.fixture
 def routed(monkeypatch):
