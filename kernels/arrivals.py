@@ -15,6 +15,8 @@ the same time would share counters: the course runs them on one stream.
 """
 
 import torch
+import triton
+import triton.language as tl
 
 SIZE = 1 << 20  # counters per device (4 MB): a launch with more tiles takes the second kernel
 
@@ -25,9 +27,23 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's zeroed int32 counters if `tiles` of them are available, else None (more
     than SIZE tiles, or the first use inside a CUDA graph capture, where a buffer made during
     the capture would belong to the graph): the caller then launches its combining kernel."""
+    if tiles > SIZE:
+        return None
     buffer = _buffers.get(device)
     if buffer is None:
-        if tiles > SIZE or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         buffer = _buffers[device] = torch.zeros(SIZE, dtype=torch.int32, device=device)
-    return buffer if tiles <= SIZE else None
+    return buffer
+
+
+@triton.jit
+def last_to_arrive(count_ptr, tile, pieces):
+    """In a kernel, after a program has stored its piece of `tile`: True in the last of the
+    tile's `pieces` programs to get here, which also sets the tile's counter back to 0 for
+    the next launch (every other piece has counted already)."""
+    tl.debug_barrier()  # every thread's stores are out before the count
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+    last = arrived == pieces - 1
+    tl.atomic_xchg(count_ptr + tile, 0, mask=last)
+    return last

@@ -32,6 +32,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 from kernels import arrivals
 from kernels import split_k_tuning as tuning
+from kernels.arrivals import last_to_arrive
 from kernels.bench import l2_bytes, rotating_copies, rotating_graph_ms
 from kernels.launch import launch
 from kernels.matmul_reference import matmul_ref
@@ -135,26 +136,28 @@ def split_k_kernel(
 
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if DIRECT:  # one piece: this program's tile is the output
-        acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
-        c_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn,
+                     mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
     else:  # partials (splits, M, N), contiguous fp32
         offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(part_ptr + split.to(tl.int64) * M * N + offsets, acc, mask=mask)
+        pieces = tl.num_programs(0) // (tiles_m * tiles_n)
         if LAST_SUMS:  # the tile's last piece to finish sums them all (kernels.arrivals)
-            tiles = tiles_m * tiles_n
-            tile = pid % tiles
-            tl.debug_barrier()  # every thread's partial is stored before the count
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-            if arrived == tl.num_programs(0) // tiles - 1:
-                acc = sum_partials(part_ptr + offsets, M * N, tl.num_programs(0) // tiles, mask)
-                acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS,
-                                      ACTIVATION)  # fmt: skip
-                c_ptrs = (
-                    out_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-                )
-                tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(count_ptr + tile, 0)  # at 0 again for the next launch
+            if last_to_arrive(count_ptr, pid % (tiles_m * tiles_n), pieces):
+                acc = sum_partials(part_ptr + offsets, M * N, pieces, mask)
+                store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm,
+                             stride_cn, mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
+
+
+@triton.jit
+def store_output(
+    acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn, mask,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+):  # fmt: skip
+    """act(acc * scale + bias) stored in the output's dtype: the one ending of every path."""
+    acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
+    c_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -181,9 +184,8 @@ def split_k_reduce_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]  # 64-bit: rows are int64
     acc = sum_partials(part_ptrs, split_stride, splits, mask)
-    acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
-    c_ptrs = out_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn, mask,
+                 HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
 
 
 def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> torch.Tensor:
@@ -253,12 +255,8 @@ def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, 
         except (OutOfResources, PTXASError):  # a tile too large for this GPU never wins
             return float("inf")
 
-    if a.is_cuda and torch.cuda.is_current_stream_capturing():  # nothing can be timed here:
-        # the plan chosen before (a warm-up call), else the first candidate, not remembered
-        chosen = tuning.chosen_plans().get((kind, N, K, *key))
-        plan = chosen or tuning.candidates(kind, N, K)[0]
-    else:
-        plan = tuning.plan(kind, N, K, key, time_plan)
+    capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing can be timed
+    plan = tuning.plan(kind, N, K, key, time_plan, remember=not capturing)
     if splits is not None:
         plan = _with_splits(plan, K, splits)
     return _run(a, b, plan, scale, bias, activation, gated)

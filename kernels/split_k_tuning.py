@@ -136,16 +136,20 @@ def candidates(kind: str, N: int, K: int) -> list[Plan]:
 _chosen: dict = {}  # (kind, N, K, dtypes, device) -> Plan, for the life of the process
 
 
-def plan(kind: str, N: int, K: int, key: tuple, time_plan=None) -> Plan:
+def plan(kind: str, N: int, K: int, key: tuple, time_plan=None, remember=True) -> Plan:
     """The plan for (kind, N, K) with `key` (dtypes, device): the first candidate, or on a GPU
     with AUTOTUNE the one with the least worst-case slowdown over TUNE_ROWS[kind], as timed by
-    `time_plan(plan, rows) -> ms` once and remembered."""
+    `time_plan(plan, rows) -> ms` once and remembered. remember=False (inside a CUDA graph
+    capture, where nothing can be timed): the plan chosen before, else the first, untimed and
+    not remembered."""
     cache_key = (kind, N, K, *key)
     chosen = _chosen.get(cache_key)
     if chosen is not None:
         return chosen
     plans = candidates(kind, N, K)
     chosen = plans[0]
+    if not remember:
+        return chosen
     if AUTOTUNE and time_plan is not None and len(plans) > 1:
         chosen = least_regret(plans, TUNE_ROWS[kind], time_plan)
     _chosen[cache_key] = chosen

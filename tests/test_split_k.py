@@ -96,6 +96,14 @@ def test_plans_are_timed_in_a_cuda_graph_over_rotating_copies(monkeypatch):
     assert used == [3] * plans * len(tuning.TUNE_ROWS["gemv"])
 
 
+def test_inside_a_capture_the_tuner_times_nothing_and_keeps_nothing(monkeypatch):
+    monkeypatch.setattr(tuning, "AUTOTUNE", True)
+    monkeypatch.setattr(tuning, "_chosen", {})
+    never = lambda plan, rows: pytest.fail("timed inside a capture")
+    first = tuning.plan("gemv", 33, 200, ("a dtype",), never, remember=False)
+    assert first == tuning.candidates("gemv", 33, 200)[0] and not tuning.chosen_plans()
+
+
 def test_the_tuner_minds_the_worst_row_count():
     fast_at_1, even = tuning.Plan(None, 1, 32), tuning.Plan(None, 2, 32)
     times = {(fast_at_1, 1): 1.0, (fast_at_1, 64): 3.0, (even, 1): 1.2, (even, 64): 2.0}

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals
+from kernels.arrivals import last_to_arrive
 from kernels.attention import attention_ref as course_attention_ref
 from kernels.attention import check_attention_inputs
 from kernels.attention_tuning import block_d as padded_head_dim
@@ -152,12 +153,8 @@ def attention_split_kernel(
     tl.store(l_ptr + row, l_i, mask=row_ok)
     tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
     if LAST_COMBINES:  # this tile's last split to finish combines them all (kernels.arrivals)
-        tile = pid_bh * tl.num_programs(1) + pid_m
-        tl.debug_barrier()  # every thread's partials are stored before the count
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == n_splits - 1:
+        if last_to_arrive(count_ptr, pid_bh * tl.num_programs(1) + pid_m, n_splits):
             combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, rows, row_ok, n_splits, D, BLOCK_D)
-            tl.atomic_xchg(count_ptr + tile, 0)  # at 0 again for the next launch
 
 
 @triton.jit

@@ -236,11 +236,11 @@ class Transformer(nn.Module):
         """One new token for each of B cache rows, with nothing read back to the host on
         torch's ops or in batch_invariant_mode (a server can capture it in a CUDA graph and
         replay it; the course's own attention without the mode reads kv_lens on the host):
-        tokens (B, 1) int64; positions (B,) and
-        slots (B,) int64 tensors on the model's device: row b's token goes to position
-        positions[b] of cache row slots[b] (distinct rows). Attention reads all T positions of
-        the cache, each row masked to its own keys. The values are not checked here (that would
-        read them back): the caller checks them, as kernels.llm.serve does. -> logits (B, 1, V)."""
+        tokens (B, 1) int64; positions (B,) and slots (B,) int64 tensors on the model's
+        device: row b's token goes to position positions[b] of cache row slots[b] (distinct
+        rows). Attention reads all T positions of the cache, each row masked to its own keys.
+        The values are not checked here (that would read them back): the caller checks them,
+        as kernels.llm.serve does. -> logits (B, 1, V)."""
         B = tokens.shape[0]
         if (
             tokens.dim() != 2
