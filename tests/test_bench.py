@@ -40,12 +40,16 @@ def test_rates_follow_their_formulas():
 
 
 def test_measure_ceilings_keys_and_magnitudes():
-    c = bench.measure_ceilings(copy_bytes=1 << 24, matmul_n=128)
+    # on a GPU, a copy well past the 50 MB L2: a smaller one measures the cache, not the DRAM
+    c = bench.measure_ceilings(copy_bytes=1 << 28 if ON_GPU else 1 << 24, matmul_n=128)
     assert set(c) == {"copy_gbps", "matmul_tflops", "add_gbps", "fma_tflops"}
     assert set(c["matmul_tflops"]) == {"bf16", "fp16", "fp32"}
     assert 0.1 < c["copy_gbps"] < 10_000 and 0.1 < c["add_gbps"] < 10_000
     assert all(0 < v < 2_000 for v in c["matmul_tflops"].values())
-    assert c["fma_tflops"] == {}  # on a CPU the interpreter would run the FMA loop in Python
+    if ON_GPU:  # an FMA loop on the GPU: far below an fp32 core's peak at this size, never above it
+        assert set(c["fma_tflops"]) == {"fp32"} and 0 < c["fma_tflops"]["fp32"] < 100
+    else:  # on a CPU the interpreter would run the FMA loop in Python
+        assert c["fma_tflops"] == {}
 
 
 def test_best_roofs_take_the_fastest_program_and_keep_the_copy():

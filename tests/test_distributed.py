@@ -2,6 +2,7 @@
 NCCL runs are marked two_gpus and skipped, with the reason, on fewer GPUs."""
 
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -36,6 +37,12 @@ def hangs_on_rank_one(rank, world_size):
     return rank
 
 
+def mode_of_rank(rank, world_size):
+    from kernels import runtime
+
+    return (os.environ.get("CUDA_VISIBLE_DEVICES"), runtime.ON_GPU, runtime.INTERPRET)
+
+
 def no_process_left():
     deadline = time.monotonic() + 5
     while multiprocessing.active_children() and time.monotonic() < deadline:
@@ -47,6 +54,13 @@ def test_run_ranks_returns_what_each_rank_returns_in_rank_order():
     got = run_ranks(sum_of_ranks, 2, 10, timeout_s=TIMEOUT)
     assert got == [{"rank": r, "world_size": 2, "sum": 21.0} for r in (0, 1)]
     assert no_process_left()
+
+
+def test_cpu_ranks_run_in_the_cpu_mode_on_any_machine():
+    """On a GPU machine too: the course's kernels then take the ranks' CPU tensors."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert run_ranks(mode_of_rank, 2, timeout_s=TIMEOUT) == [("", False, True)] * 2
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback():

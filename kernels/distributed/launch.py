@@ -9,11 +9,15 @@ second instead of importing torch again); a CUDA rank is spawned (a fresh interp
 Both import `fn` by its module and name, so `fn` must live in a file. "fork" copies this
 process, so any function works, on a CPU only (a process that has used CUDA cannot be forked).
 
+CPU ranks run in the course's CPU mode, also on a machine with GPUs: they are started with no GPU
+visible, so the course's kernels run under Triton's interpreter on their CPU tensors.
+
 Each rank leaves the group and ends by itself (and ends when its launcher is gone); one that
 raises, hangs or dies is reported as a RankError naming the rank, with its traceback;
 stragglers past `timeout_s` are ended.
 """
 
+import contextlib
 import datetime
 import io
 import os
@@ -126,9 +130,24 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
         context.Process(target=_rank_main, daemon=True, args=(r, world_size, *common))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    with _no_gpu_visible(device == "cpu"):  # the ranks (and a forkserver started now) inherit it
+        for p in procs:
+            p.start()
     return _collect(procs, results, timeout_s)
+
+
+@contextlib.contextmanager
+def _no_gpu_visible(hide: bool):
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 # What the forkserver imports once, so that its ranks need not: the chapter's rank functions
