@@ -65,8 +65,8 @@ def invariant_matmul_kernel(
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):  # the whole K, in order: no split-K
-        k_left = K - k * BLOCK_K
+    for k0 in range(0, K, BLOCK_K):  # the whole K, in order: no split-K
+        k_left = K - k0
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if USE_DOT:
