@@ -85,7 +85,7 @@ def graph_ms(fn) -> float:
 
 
 def l2_bytes() -> int:
-    """The GPU's L2 cache in bytes (50 MB on an H200). GPU only."""
+    """The GPU's L2 cache in bytes (60 MiB on an H200, as it reports itself). GPU only."""
     if not ON_GPU:
         raise RuntimeError("l2_bytes reads the GPU's properties: it needs a CUDA GPU")
     return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20))

@@ -6,7 +6,7 @@ per program, in two passes:
 - forward: pass 1 reads the row and keeps fp32 statistics per lane; pass 2 reads it again,
   normalizes and stores y. The row is read twice and written once: 3 * n_cols * element_size
   bytes per row, where the register kernels move 2 (a row of 4,194,304 bf16 is 8 MB: the
-  second read is mostly served from the H200's 50 MB L2).
+  second read is mostly served from the H200's 60 MiB L2).
 - backward: pass 1 reads x and dy and sums g * x_hat (and g for LayerNorm) over the row;
   pass 2 reads them again and stores dx. dw and db stay fp32 partial sums, one row of
   n_cols per program (too long for registers, so they live in global memory: each program

@@ -40,7 +40,7 @@ def test_rates_follow_their_formulas():
 
 
 def test_measure_ceilings_keys_and_magnitudes():
-    # on a GPU, a copy well past the 50 MB L2: a smaller one measures the cache, not the DRAM
+    # on a GPU, a copy well past the L2 (60 MiB on an H200): a smaller one times the cache
     c = bench.measure_ceilings(copy_bytes=1 << 28 if ON_GPU else 1 << 24, matmul_n=128)
     assert set(c) == {"copy_gbps", "matmul_tflops", "add_gbps", "fma_tflops"}
     assert set(c["matmul_tflops"]) == {"bf16", "fp16", "fp32"}
