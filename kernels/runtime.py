@@ -29,6 +29,34 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE: torch.device = torch.device("cuda" if ON_GPU else "cpu")
 
 
+def _interpreter_scalars_as_index() -> None:
+    """Triton's interpreter before 3.7 turns a scalar argument into a Python int (a loop bound:
+    `range(0, K, BLOCK_K)`) with int() of a one-element array, which numpy 2.4 and later refuse
+    ("only 0-dimensional arrays can be converted to Python scalars", triton-lang/triton#9171).
+    Where the installed interpreter has that conversion, give it the one later versions use."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    try:
+        fixed = original is None or "squeeze" in inspect.getsource(original)
+    except (OSError, TypeError):
+        fixed = True
+    if fixed:
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRET:
+    _interpreter_scalars_as_index()
+
+
 def pick(cpu, gpu):
     """Return `gpu` on a GPU machine and `cpu` otherwise: problem sizes, repeat counts."""
     return gpu if ON_GPU else cpu

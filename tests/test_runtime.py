@@ -98,3 +98,22 @@ def test_recorded_results_carry_the_keys_versions_gives_on_a_gpu():
         meta = json.loads(path.read_text())["meta"]
         assert set(meta) == on_gpu, f"{path.name}: {sorted(meta)} != {sorted(on_gpu)}"
         assert meta["mode"] == "compile" and meta["device"].startswith("NVIDIA"), path.name
+
+
+@pytest.mark.skipif(not runtime.INTERPRET, reason="checks Triton's interpreter (CPU mode)")
+def test_the_interpreter_takes_a_scalar_argument_as_a_loop_bound():
+    """Older interpreters turned a scalar into an int with int() of a one-element array, which
+    numpy 2.4 refuses: runtime gives them the conversion later versions use."""
+    from triton.runtime import interpreter
+
+    class Scope:  # what the interpreter's patch scope does: set attributes, remember them
+        def __init__(self):
+            self.set = {}
+
+        def set_attr(self, obj, name, value):
+            self.set[name] = value
+
+    scope = Scope()
+    interpreter._patch_lang_tensor(type("T", (), {}), scope)
+    handle = type("Handle", (), {"data": __import__("numpy").array([7], dtype="int32")})()
+    assert scope.set["__index__"](type("Scalar", (), {"handle": handle})()) == 7
