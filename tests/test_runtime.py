@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kernels import bench, runtime
@@ -115,5 +116,5 @@ def test_the_interpreter_takes_a_scalar_argument_as_a_loop_bound():
 
     scope = Scope()
     interpreter._patch_lang_tensor(type("T", (), {}), scope)
-    handle = type("Handle", (), {"data": __import__("numpy").array([7], dtype="int32")})()
+    handle = type("Handle", (), {"data": np.array([7], dtype=np.int32)})()
     assert scope.set["__index__"](type("Scalar", (), {"handle": handle})()) == 7
