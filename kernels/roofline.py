@@ -180,3 +180,19 @@ def plot_roofline(machines: dict, points=(), dtypes=("fp32",), ax=None, title=No
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     return ax
+
+
+DATASHEET_STYLES = ("--", ":", "-.")  # one per dtype, in the order given
+
+
+def plot_datasheet(ax, sheet: dict, dtypes=("fp32",), name: str = "datasheet"):
+    """Beside measured roofs on `ax` (from plot_roofline), a datasheet's (`datasheet_ceilings`),
+    in grey, dashed for the first dtype and dotted for the second: a line no real program
+    reaches, drawn across the axes' current width. Returns the axes."""
+    x = np.geomspace(*ax.get_xlim(), 256)
+    for j, dtype in enumerate(dtypes):
+        style = DATASHEET_STYLES[j % len(DATASHEET_STYLES)]
+        roof = np.minimum(sheet["copy_gbps"] * x / 1e3, _peak(sheet, dtype))
+        ax.loglog(x, roof, style, color="gray", lw=1, label=f"{name} {dtype}")
+    ax.legend(fontsize=7, loc="lower right")
+    return ax

@@ -88,6 +88,20 @@ def test_roofline_plot_draws_two_machines_side_by_side():
         bench.plot_roofline({})
 
 
+def test_the_datasheet_is_drawn_grey_beside_the_measured_roofs():
+    sheet = bench.datasheet_ceilings("h200")
+    ax = bench.plot_roofline({"H200": H200}, dtypes=("fp32", "bf16"))
+    measured = len(ax.get_lines())
+    bench.plot_datasheet(ax, sheet, dtypes=("fp32", "bf16"), name="H200 datasheet")
+    fp32, bf16 = ax.get_lines()[measured:]
+    assert (fp32.get_label(), bf16.get_label()) == ("H200 datasheet fp32", "H200 datasheet bf16")
+    assert fp32.get_linestyle() == "--" and bf16.get_linestyle() == ":"
+    assert fp32.get_color() == bf16.get_color() == "gray"
+    x, y = fp32.get_data()  # the slope at copy_gbps, then the flat fp32 peak
+    assert y[0] == pytest.approx(sheet["copy_gbps"] * x[0] / 1e3) and y[-1] == 67.0
+    assert bf16.get_data()[1][-1] == sheet["matmul_tflops"]["bf16"]
+
+
 def test_gpu_slug():
     assert bench.gpu_slug("NVIDIA H200") == "h200"
     assert bench.gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 from kernels.grader import starters, static_checks, submission
 from kernels.grader.cli import grading_command
@@ -203,6 +204,10 @@ def test_a_task_of_another_lab_is_exit_status_2_and_names_this_labs_tasks():
 def test_solutions_get_full_marks_with_compiled_triton(tmp_path):
     out = kernels_cli("grade", *SOLUTIONS, "--json", tmp_path / "grades.json")
     assert out.returncode == 0, out.stdout + out.stderr
+    gpus = torch.cuda.device_count()
     for r in json.loads((tmp_path / "grades.json").read_text()):
-        assert all(t["status"] == "passed" for t in r["tasks"]), r
-        assert r["score"] == r["max_score"] == sum(t["max_points"] for t in r["tasks"])
+        for t in r["tasks"]:  # a task for more GPUs than this machine has says so
+            wanted = next(task.gpus for task in LABS[r["lab"]] if task.name == t["name"])
+            assert t["status"] == ("passed" if wanted <= gpus else "needs_gpu"), (t, r)
+        graded = [t for t in r["tasks"] if t["status"] == "passed"]
+        assert r["score"] == r["max_score"] == sum(t["max_points"] for t in graded) > 0

@@ -16,6 +16,7 @@ from kernels.grader import cases
 from kernels.grader.tasks import Case, Task, kernel_task
 from kernels.llm import speed
 from kernels.llm.config import ModelConfig
+from kernels.runtime import DEVICE
 
 NAME = "lab06_llm_inference"
 COURSE_NAMES = frozenset(
@@ -111,17 +112,24 @@ def _operator_cases(rng):
 # Task 4: an int8 weight-only GEMV
 
 
+def _quantized(shape, seed):
+    """int8.quantize of fresh values, made on the kernels' device (which quantize checks),
+    returned to the grader's CPU like every other input."""
+    q, scale = int8.quantize(cases.tensor(shape, seed).to(DEVICE))
+    return q.cpu(), scale.cpu()
+
+
 def _int8_cases(rng):
     drawn = []
     for m, n, k in ((1, 129, 127), (1, 1000, 64), (3, 65, 300), (16, 33, 129)):
         for dtype in (torch.float32, torch.float16):
             x, seed = cases.draw(rng, (m, k), dtype)
-            q, scale = int8.quantize(cases.tensor((n, k), seed + 1))
+            q, scale = _quantized((n, k), seed + 1)
             label = f"x ({m}, {k}) @ int8 ({n}, {k}).T, {cases.dtype_name(dtype)}, seed {seed}"
             ref = int8.linear_ref(x.double(), q, scale.double())
             drawn.append(Case((x, q, scale), label=label, expected=ref, dtype=dtype))
     x, seed = cases.draw(rng, (3, 300), torch.float16)  # every other element of a wider row
-    q, scale = int8.quantize(cases.tensor((65, 300), seed + 1))
+    q, scale = _quantized((65, 300), seed + 1)
     label = f"x (3, 300), non-contiguous, @ int8 (65, 300).T, float16, seed {seed}"
     ref = int8.linear_ref(x.double(), q, scale.double())
     drawn.append(Case((cases.strided(x), q, scale), label=label, expected=ref, dtype=torch.float16))
