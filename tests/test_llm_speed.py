@@ -137,6 +137,23 @@ def test_time_linears_with_a_stand_in_timer():
     assert rows[0]["torch"]["gbps"] == pytest.approx(rows[0]["bytes"] / 0.5 / 1e6)
 
 
+def test_down_projection_times_both_paths_and_they_agree():
+    """The two paths the chapter times compute the same thing, for float and int8 weights."""
+    outs = []
+
+    def timer(fn, argsets):
+        outs.append(fn(*argsets[0]))
+        return float(len(outs))
+
+    found = speed.down_projection_ms("tiny", torch.float32, CPU, timer, copies=lambda w: [w])
+    assert set(found) == {"float", "int8"} and set(found["int8"]) == {"separate", "fused"}
+    c = get_config("tiny")
+    assert found["int8"] == {"separate": 3.0, "fused": 4.0}  # separate, then fused
+    for separate, fused in (outs[:2], outs[2:]):
+        assert separate.shape == fused.shape == (1, c.d_model)
+        torch.testing.assert_close(separate, fused, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: checked on GPU")
 def test_graph_and_compiled_steps_on_the_gpu():

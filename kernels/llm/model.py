@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import batch_invariant, decode, gemv
+from kernels import batch_invariant, decode
 from kernels.llm import ops
 from kernels.llm.config import ModelConfig
 
@@ -149,11 +149,10 @@ class Block(nn.Module):
         if not fused:
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
             return x, self._reduced(project(act, self.w_down, backend))  # SwiGLU
+        # SwiGLU's product in a kernel of its own: formed inside the down GEMV's loads
+        # (decode.swiglu_linear) it saves that launch but costs more, measured on an H200 at one
+        # row (Chapter 6): every column tile of the GEMV recomputes it for its slice of F.
         gate_up = fused_project(h, self, ("w_gate", "w_up"))  # (B, S, 2F)
-        if B * S <= gemv.MAX_ROWS:  # decode: SwiGLU's product inside the down GEMV's loads
-            w_down, scale = self.w_down.weight, getattr(self.w_down, "scale", None)
-            down = decode.swiglu_linear(gate_up.view(B * S, -1), w_down, scale)
-            return x, self._reduced(down.view(B, S, c.d_model))
         return x, self._reduced(project(decode.silu_mul(gate_up), self.w_down, backend))
 
     def _reduced(self, partial):

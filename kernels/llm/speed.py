@@ -15,6 +15,9 @@ import time
 
 import torch
 
+from kernels import decode, int8
+from kernels.bench import rotating_copies
+from kernels.llm import ops
 from kernels.llm.config import ModelConfig, get_config
 
 # --- napkin math: bytes and FLOPs of one decoding step
@@ -285,6 +288,26 @@ def time_linears(shapes: dict, fns: dict, dtype, device, timer, rows: int = 1) -
             row[label] = {"ms": ms, "gbps": nbytes / ms / 1e6}
         out.append(row)
     return out
+
+
+def down_projection_ms(config, dtype, device, timer, copies=rotating_copies) -> dict:
+    """The MLP's down projection for one decode row with SwiGLU's product silu(gate) * up: in a
+    kernel of its own, then the GEMV (the model's path), against formed inside the GEMV's loads
+    (kernels.decode.swiglu_linear, one launch fewer). Float and int8 weights (d_model, d_ff):
+    {"float": {"separate": ms, "fused": ms}, "int8": {...}}, each timer(fn, argsets) over
+    copies(weight) (on a GPU: kernels.bench.rotating_graph_ms over rotating_copies)."""
+    c = get_config(config)
+    weight = (torch.randn((c.d_model, c.d_ff), device=device) * c.d_ff**-0.5).to(dtype)
+    gate_up = torch.randn((1, 2 * c.d_ff), device=device).to(dtype)
+    q, scale = int8.quantize(weight)
+    argsets = {
+        "float": [(w, None) for w in copies(weight)],
+        "int8": [(w, scale) for w in copies(q)],
+    }
+    separate = lambda w, s: ops.linear(decode.silu_mul(gate_up), w, "kernels", s)
+    fused = lambda w, s: decode.swiglu_linear(gate_up, w, s)
+    return {kind: {"separate": timer(separate, sets), "fused": timer(fused, sets)}
+            for kind, sets in argsets.items()}  # fmt: skip
 
 
 def describe_config(config) -> str:
