@@ -120,6 +120,7 @@ FMA_SPECS = (
     ((1025,), 2), ((4097,), 8), ((33, 65), 2),
 )  # fmt: skip
 FMA_AGAIN, FMA_STRIDED = ((4097,), 8), ((33, 65), 33)
+# On an H200 (torch 2.11, triton 3.6) the solution runs at 0.99 of copy's speed.
 MIN_COPY_FRACTION = 0.5
 
 

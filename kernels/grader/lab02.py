@@ -14,6 +14,7 @@ from kernels.grader.tasks import Case, kernel_task
 
 NAME = "lab02_fusion"
 CPU_DTYPES = (torch.float32, torch.float16)
+# On an H200 (torch 2.11, triton 3.6) the solution runs at 0.99 of copy's speed.
 MIN_COPY_FRACTION = 0.5
 
 GELU_OPS = frozenset({"gelu", "erf", "erfc", "special_erf", "tanh"})

@@ -24,6 +24,8 @@ MATMUL_OPS = frozenset(
 # ...and the names that reach it from the graded cells: torch.matmul, kernels.matmul, F.linear.
 MATMUL_NAMES = frozenset({"matmul", "mm", "bmm", "addmm", "einsum", "linear"})
 SPEED_N = 4096  # the timed problem: bf16 SPEED_N^3
+# On an H200 (torch 2.11, triton 3.6) the solution's SwiGLU runs at 0.82 of cuBLAS's rate
+# (0.41 of one product's speed, against 0.25 needed).
 MIN_CUBLAS_FRACTION = 0.5
 
 

@@ -15,6 +15,7 @@ from kernels.grader import cases
 from kernels.grader.prefixes import PrefixCase, prefix_sizes
 from kernels.grader.tasks import Case
 
+# On an H200 (torch 2.11, triton 3.6) the solution's step runs 1.6x the speed of copying k and v.
 MIN_KV_COPY_FRACTION = 0.5
 
 
