@@ -2,6 +2,7 @@
 the verdicts, the case kit, the op log, and the starter generator. Fast: the only child
 processes are tiny scripts."""
 
+import importlib
 import json
 import signal
 import sys
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from kernels.grader import runner, starters, static_checks, submission
 from kernels.grader.child import Observer, learners, op_name
 from kernels.grader.tasks import Case, Task, evaluate
+from kernels.runtime import DEVICE
 
 
 def read(source: str, tmp_path, tags=("graded",)) -> submission.Submission:
@@ -303,39 +305,64 @@ def test_solution_blocks_become_stubs_with_their_hints():
     compile(stub, "stub", "exec")
 
 
-def test_a_whole_kernel_body_becomes_pass_and_a_partial_one_raises():
-    """Triton's compiler rejects `raise` in a kernel: a stubbed kernel must still compile."""
-    source = textwrap.dedent(
-        """\
-        @triton.jit
-        def whole_kernel(x_ptr, BLOCK: tl.constexpr):
-            # one read, one write
-            ### BEGIN SOLUTION
-            ### HINT: load, add one, store
-            tl.store(x_ptr, tl.load(x_ptr) + 1)
-            ### END SOLUTION
+KERNEL_STUBS = textwrap.dedent(
+    """\
+    import triton
+    import triton.language as tl
 
 
-        @triton.jit
-        def partial_kernel(x_ptr):
-            x = tl.load(x_ptr)
+    @triton.jit
+    def whole_kernel(
+        x_ptr, BLOCK: tl.constexpr,
+    ):
+        \"\"\"A docstring,
+        on two lines.\"\"\"
+        ### BEGIN SOLUTION
+        ### HINT: load, add one, store
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+        ### END SOLUTION
+
+
+    @triton.jit
+    def partial_kernel(x_ptr, BIAS: tl.constexpr):
+        x = tl.load(x_ptr)
+        if BIAS:
             ### BEGIN SOLUTION
+            ### HINT: add the bias
             x = x + 1
             ### END SOLUTION
-            tl.store(x_ptr, x)
+        tl.store(x_ptr, x * 2)
 
 
-        def launcher(x):
-            ### BEGIN SOLUTION
-            whole_kernel[(1,)](x, BLOCK=1)
-            ### END SOLUTION
-        """
-    )
-    stub = starters.strip_solutions(source)
-    assert "    pass  # TODO: load, add one, store" in stub
-    assert stub.count("raise NotImplementedError") == 2  # the partial kernel's and the launcher's
+    def launcher(x):
+        ### BEGIN SOLUTION
+        whole_kernel[(1,)](x, BLOCK=1)
+        ### END SOLUTION
+    """
+)
+
+
+def test_a_kernels_blocks_become_static_assertions_that_say_the_hint(tmp_path, monkeypatch):
+    """Triton's compiler rejects `raise` in a kernel: a stubbed kernel fails with its hint when
+    compiled or interpreted, and only on a branch that runs."""
+    stub = starters.strip_solutions(KERNEL_STUBS)
+    assert '    tl.static_assert(False, "load, add one, store")' in stub
+    assert '        tl.static_assert(False, "add the bias")' in stub
+    assert stub.count("raise NotImplementedError") == 1  # the launcher's
     assert "tl.load(x_ptr) + 1" not in stub and "x = x + 1" not in stub
-    compile(stub, "stub", "exec")
+    (tmp_path / "stubbed_kernels.py").write_text(stub)  # a file: Triton's compiler reads it
+    monkeypatch.syspath_prepend(tmp_path)
+    found = vars(importlib.import_module("stubbed_kernels"))
+    x = torch.ones(1, device=DEVICE)
+    found["partial_kernel"][(1,)](x, BIAS=False)  # the block's branch is not taken
+    assert x.item() == 2.0
+    for kernel, hint in (("partial_kernel", "add the bias"), ("whole_kernel", "load, add one")):
+        with pytest.raises(Exception, match=hint):
+            found[kernel][(1,)](
+                x, **({"BIAS": True} if kernel == "partial_kernel" else {"BLOCK": 1})
+            )
+    with pytest.raises(NotImplementedError, match="your code here"):
+        found["launcher"](x)
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,16 @@
 
 In every code cell, the lines from `### BEGIN SOLUTION` to `### END SOLUTION` become one
 line, `raise NotImplementedError("<hint>")`, indented like the marker; the hint is the text
-of a `### HINT: ...` line inside the block, or a default. A block that is the whole body of an
-`@triton.jit` function becomes `pass  # TODO: <hint>` instead: Triton's compiler rejects a
-`raise` in a kernel, so on a GPU the learner would see a compile error rather than the hint (its
-launcher, a stub of its own, raises the hint). Outputs, execution counts and the record of the
-solution's run are cleared.
+of a `### HINT: ...` line inside the block, or a default. A block inside an `@triton.jit`
+function becomes `tl.static_assert(False, "<hint>")` instead: Triton's compiler rejects a
+`raise` in a kernel (on a GPU the learner would see that, not the hint), while a static
+assertion fails with the hint when the kernel is compiled (on a GPU) or run (in the
+interpreter), and only on a branch that is taken: an epilogue block under `if HAS_BIAS:` stays
+quiet while the bias is off. Outputs, execution counts and the record of the solution's run
+are cleared.
 """
 
+import ast
 import copy
 from pathlib import Path
 
@@ -18,31 +21,29 @@ BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 DEFAULT_HINT = "your code here (see the task above)"
 
 
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip())
+def _jit_lines(source: str) -> set:
+    """The line numbers (1-based) inside @triton.jit functions; none if the source does not
+    parse (a cell with IPython magic)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
+            inside.update(range(node.lineno, node.end_lineno + 1))
+    return inside
 
 
-def _whole_jit_body(lines: list, begin: int, end: int) -> bool:
-    """Whether lines[begin..end] (a solution block) are the whole body of an @triton.jit function:
-    only comments, a docstring or blank lines between its `def` and the block, nothing after it."""
-    i = begin - 1
-    while i >= 0 and (not lines[i].strip() or lines[i].strip().startswith(("#", '"""', "'"))):
-        i -= 1
-    head = i  # the `def` line, or the last line of its signature
-    while i >= 0 and not lines[i].lstrip().startswith("def "):
-        if _indent(lines[i]) >= _indent(lines[begin]):
-            return False  # code of the body above the block
-        i -= 1
-    if i < 0 or head < i or not (i > 0 and lines[i - 1].strip().startswith("@triton.jit")):
-        return False
-    after = next((line for line in lines[end + 1 :] if line.strip()), None)
-    return after is None or _indent(after) <= _indent(lines[i])
+def _is_jit(decorator) -> bool:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return ast.unparse(target) in ("triton.jit", "jit")
 
 
 def strip_solutions(source: str) -> str:
     """The cell's source with each solution block replaced by a NotImplementedError stub (a
-    `pass` where the block is a whole @triton.jit body)."""
-    lines = source.splitlines()
+    static assertion inside an @triton.jit function)."""
+    lines, in_kernel = source.splitlines(), _jit_lines(source)
     out, indent, hint, begin = [], None, None, None
     for number, line in enumerate(lines, start=1):
         stripped = line.strip()
@@ -53,11 +54,13 @@ def strip_solutions(source: str) -> str:
         elif stripped.startswith(END):
             if indent is None:
                 raise ValueError(f"line {number}: {END} without {BEGIN}")
-            if _whole_jit_body(lines, begin, number - 1):
-                out.append(f"{indent}pass  # TODO: {hint or DEFAULT_HINT}")
-            else:
-                text = (hint or DEFAULT_HINT).replace("\\", "\\\\").replace('"', '\\"')
-                out.append(f'{indent}raise NotImplementedError("{text}")')
+            text = (hint or DEFAULT_HINT).replace("\\", "\\\\").replace('"', '\\"')
+            stub = (
+                "tl.static_assert(False, "
+                if begin + 1 in in_kernel
+                else "raise NotImplementedError("
+            )
+            out.append(f'{indent}{stub}"{text}")')
             indent = None
         elif indent is not None:
             if stripped.startswith(HINT) and hint is None:
