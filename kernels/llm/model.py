@@ -150,8 +150,8 @@ class Block(nn.Module):
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
             return x, self._reduced(project(act, self.w_down, backend))  # SwiGLU
         # SwiGLU's product in a kernel of its own: formed inside the down GEMV's loads
-        # (decode.swiglu_linear) it saves that launch but costs more, measured on an H200 at one
-        # row (Chapter 6): every column tile of the GEMV recomputes it for its slice of F.
+        # (decode.swiglu_linear) it saves that launch but costs more on an H200 at one row
+        # (speed.down_projection_ms times both): every column tile of the GEMV recomputes it.
         gate_up = fused_project(h, self, ("w_gate", "w_up"))  # (B, S, 2F)
         return x, self._reduced(project(decode.silu_mul(gate_up), self.w_down, backend))
 
