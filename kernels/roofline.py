@@ -133,6 +133,11 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+def _roof_tflops(ceilings: dict, dtype: str, intensity):
+    """The roofline's TFLOP/s at each arithmetic intensity: min(bandwidth * I, peak)."""
+    return np.minimum(ceilings["copy_gbps"] * intensity / 1e3, _peak(ceilings, dtype))
+
+
 def plot_roofline(machines: dict, points=(), dtypes=("fp32",), ax=None, title=None):
     """Draw each machine's roofline (bandwidth slope, then one flat roof per dtype) on
     log-log axes, and the measured `points`, given as {machine label: [RooflinePoint]} or a
@@ -154,10 +159,9 @@ def plot_roofline(machines: dict, points=(), dtypes=("fp32",), ax=None, title=No
         for j, dtype in enumerate(dtypes):
             if dtype not in ceilings["matmul_tflops"]:
                 continue
-            roof = np.minimum(ceilings["copy_gbps"] * x / 1e3, _peak(ceilings, dtype))
             ax.loglog(
                 x,
-                roof,
+                _roof_tflops(ceilings, dtype, x),
                 color=color,
                 linestyle=["-", "--", ":"][j % 3],
                 label=f"{label} {dtype} (ridge {ridge_point(ceilings, dtype):.0f} FLOP/B)",
@@ -192,7 +196,8 @@ def plot_datasheet(ax, sheet: dict, dtypes=("fp32",), name: str = "datasheet"):
     x = np.geomspace(*ax.get_xlim(), 256)
     for j, dtype in enumerate(dtypes):
         style = DATASHEET_STYLES[j % len(DATASHEET_STYLES)]
-        roof = np.minimum(sheet["copy_gbps"] * x / 1e3, _peak(sheet, dtype))
-        ax.loglog(x, roof, style, color="gray", lw=1, label=f"{name} {dtype}")
+        ax.loglog(
+            x, _roof_tflops(sheet, dtype, x), style, color="gray", lw=1, label=f"{name} {dtype}"
+        )
     ax.legend(fontsize=7, loc="lower right")
     return ax

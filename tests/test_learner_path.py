@@ -20,6 +20,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from kernels.runtime import ON_GPU
+
 pytestmark = pytest.mark.book
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,12 +138,6 @@ def _outputs(notebook) -> str:
     return "\n".join(notebook.locator(".jp-OutputArea-output").all_text_contents())
 
 
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _no_error(notebook, where):
     errors = notebook.locator("[data-mime-type='application/vnd.jupyter.error']")
     assert errors.count() == 0, f"{where}: {errors.first.text_content()[:2000]}"
@@ -154,7 +150,7 @@ def _solution_of(function: str) -> str:
     return "\n".join(line for line in cell.source.splitlines() if "### " not in line)
 
 
-def test_a_learner_runs_chapter_1_fills_lab_1_and_grades_it(course, jupyterlab, browser):
+def test_a_learner_runs_chapter_1_fills_lab_1_and_grades_it(browser, course, jupyterlab):
     ARTIFACTS.mkdir(exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{jupyterlab}/lab?reset&token={TOKEN}")  # a fresh workspace
@@ -170,7 +166,7 @@ def test_a_learner_runs_chapter_1_fills_lab_1_and_grades_it(course, jupyterlab, 
     _no_error(chapter, "Chapter 1's first cells")
     preamble = chapter.locator(".jp-Cell").nth(1)  # run now, in this machine's mode
     assert preamble.locator(".jp-InputPrompt").text_content().strip() == "[1]:"
-    mode = "compiles for the GPU" if _has_gpu() else "runs in its interpreter"
+    mode = "compiles for the GPU" if ON_GPU else "runs in its interpreter"
     assert mode in preamble.locator(".jp-OutputArea-output").first.text_content()
 
     # Lab 1: the preamble runs; task 1's stub says it is not implemented
