@@ -56,12 +56,22 @@ def test_the_default_split_cuts_k_on_a_narrow_output():
 
 
 def test_the_split_rule_never_sees_m():
-    assert list(inspect.signature(tuning.split_rule).parameters) == ["N", "K", "tile", "sms"]
+    params = ["N", "K", "tile", "sms", "waves"]
+    assert list(inspect.signature(tuning.split_rule).parameters) == params
     tile = tuning.Tile(128, 128, 64)
     assert tuning.split_rule(256, 524288, tile, sms=132) == (66, 8000)  # 2 tiles x 66 pieces
     assert tuning.split_rule(14336, 4096, tuning.Tile(16, 64, 128), sms=132) == (1, 4096)
     assert tuning.split_rule(4096, 14336, tuning.Tile(16, 64, 128), sms=132) == (3, 4864)
     assert tuning.split_rule(256, 64, tile, sms=132)[0] == 1  # too short a K to cut
+
+
+def test_decode_candidates_include_whole_waves(monkeypatch):
+    monkeypatch.setattr(tuning, "processors", lambda: 132)
+    monkeypatch.setattr(tuning, "TILES", {"gemv": [tuning.Tile(16, 64, 128)]})
+    plans = tuning.candidates("gemv", 4096, 14336)  # 64 column tiles on 132 SMs
+    assert [p.splits for p in plans] == [3, 2, 4, 1]  # the rule's, one and two whole waves, unsplit
+    assert all(p.splits * p.k_per_split >= 14336 > (p.splits - 1) * p.k_per_split for p in plans)
+    assert [p.splits for p in tuning.candidates("gemv", 14336, 4096)] == [1]  # 224 tiles: no split
 
 
 def test_the_tuner_times_fixed_row_counts_and_keeps_its_choice(monkeypatch):

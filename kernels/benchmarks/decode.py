@@ -14,17 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import bench
-from kernels.benchmarks.rows import CUBLAS_IS_NOT_A_ROOF, row
+from kernels.benchmarks.rows import CUBLAS_IS_NOT_A_ROOF, READS_ONLY, row
 from kernels.runtime import DEVICE
 
 DECODE_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K): an 8B model's MLP up and down
 DECODE_ROWS = (1, 16, 64)
 SPLIT_K_SHAPE = (256, 256, 524288)  # (M, N, K): KernelBench level 1, "large K"
-READS_ONLY = (
-    "a GEMV reads its weight and writes almost nothing, so DRAM seldom turns from reads to "
-    "writes and the rate can pass the 1:1 copy's (which writes as much as it reads); the "
-    "datasheet's HBM peak still bounds it"
-)
 
 
 def _both_ways(fn, argsets) -> dict:

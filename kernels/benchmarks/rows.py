@@ -9,6 +9,11 @@ CUBLAS_IS_NOT_A_ROOF = (
     "roof: a tuned kernel can tie or pass it within its run-to-run spread (650-710 TFLOP/s "
     "in bench.json's runs); the datasheet's dense tensor-core peak still bounds it"
 )
+READS_ONLY = (
+    "the kernel reads its operands and writes almost nothing, so DRAM seldom turns from reads "
+    "to writes and the rate can pass the 1:1 copy's (which writes as much as it reads); the "
+    "datasheet's HBM peak still bounds it"
+)
 
 
 def row(
