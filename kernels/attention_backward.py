@@ -32,6 +32,7 @@ from kernels.attention_tuning import (
     profiler_metadata,
     with_32bit_head_offsets,
 )
+from kernels.launch import cdiv
 from kernels.launch import launch as launch_kernel
 from kernels.primitives import (
     LOG2E,
@@ -253,7 +254,7 @@ def attention_backward(do, q, k, v, o, lse, causal, sm_scale, precision, configs
     if Sq == 0 or B * H == 0:  # no query reads any key: zero gradients
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(Sq, DELTA_BLOCK_M), H, B)
+    grid = (cdiv(Sq, DELTA_BLOCK_M), H, B)
     launch_kernel(attention_bwd_delta_kernel, grid, o, do, delta, *do.stride(), H, Sq,
                                      HEAD_DIM=D, BLOCK_D=block_d(D),
                                      BLOCK_M=DELTA_BLOCK_M)  # fmt: skip

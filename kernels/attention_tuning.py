@@ -15,6 +15,7 @@ D = 128 costs in FLOPs and registers, but reads and writes only 80 columns.
 import torch
 import triton
 
+from kernels.launch import cdiv, next_power_of_2
 from kernels.launch import launch as launch_kernel
 from kernels.runtime import ON_GPU
 
@@ -27,7 +28,7 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024
 
 def block_d(head_dim: int) -> int:
     """The head dim the kernels compute on: the next power of two, at least 16."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 # The interpreter runs programs one after another in Python: on a CPU small blocks keep the
@@ -147,10 +148,10 @@ def launch(kernel, tuned, args, meta, *, rows, block, config, B, H):
     """Run `kernel` on a (cdiv(rows, block), H, B) grid, `block` ("BLOCK_M" or "BLOCK_N") being
     the tile that splits `rows`, with `config`, or through the autotuned `tuned` if None."""
     if config is None:
-        tuned[lambda conf: (triton.cdiv(rows, conf[block]), H, B)](*args, **meta)
+        tuned[lambda conf: (cdiv(rows, conf[block]), H, B)](*args, **meta)
         return
     bm, bn, warps, stages = config
-    grid = (triton.cdiv(rows, bm if block == "BLOCK_M" else bn), H, B)
+    grid = (cdiv(rows, bm if block == "BLOCK_M" else bn), H, B)
     tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
     launch_kernel(kernel, grid, *args, **meta, **tiles)
 
@@ -167,7 +168,7 @@ def with_32bit_head_offsets(t):
 
 def length_buckets(sq: int, sk: int) -> tuple:
     """The autotuner's key for the sequence lengths: the next powers of two."""
-    return triton.next_power_of_2(max(sq, 1)), triton.next_power_of_2(max(sk, 1))
+    return next_power_of_2(max(sq, 1)), next_power_of_2(max(sk, 1))
 
 
 def visible_scores(sq: int, sk: int, causal: bool) -> int:

@@ -37,7 +37,7 @@ import triton.language as tl
 from kernels import gemv, int8
 from kernels.attention import check_attention_inputs
 from kernels.batch_invariant import split_kv_attention
-from kernels.launch import launch
+from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.primitives import swiglu
 from kernels.runtime import processors
 from kernels.split_k import product
@@ -126,7 +126,7 @@ def rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_hea
     launch(rotary_kv_kernel, grid,
            qkv, cos, sin, q, k_cache, v_cache, rows, pos, S, n_heads, n_kv_heads,
            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-           HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))  # fmt: skip
+           HALF=hd // 2, BLOCK=next_power_of_2(hd // 2))  # fmt: skip
     return q
 
 
@@ -171,8 +171,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.numel() // max(2 * F, 1)
     if out.numel() == 0:
         return out
-    block = min(1024, triton.next_power_of_2(F))
-    launch(silu_mul_kernel, (rows, triton.cdiv(F, block)), gate_up, out, F, BLOCK=block)
+    block = min(1024, next_power_of_2(F))
+    launch(silu_mul_kernel, (rows, cdiv(F, block)), gate_up, out, F, BLOCK=block)
     return out
 
 
@@ -214,8 +214,8 @@ def decode_split(Sk: int, kv_heads: int, sms: int | None = None) -> int:
     the device alone, never the batch: a row's bits do not depend on its company. 512 keys and
     3 key/value heads on 132 SMs: splits of 64, 8 a head, 24 programs a row."""
     block = split_kv_attention.CONFIG["BLOCK_N"]
-    want = triton.cdiv(2 * (sms or processors()), max(kv_heads, 1))
-    return block * triton.cdiv(triton.cdiv(max(Sk, 1), want), block)
+    want = cdiv(2 * (sms or processors()), max(kv_heads, 1))
+    return block * cdiv(cdiv(max(Sk, 1), want), block)
 
 
 def attention(q, k, v, kv_lens=None, sm_scale=None) -> torch.Tensor:

@@ -54,9 +54,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n, for n >= 1: triton.next_power_of_2's value, in plain
-    Python (see cdiv)."""
-    return 1 << (n - 1).bit_length()
+    """The smallest power of two >= n for n >= 1, and 0 for 0: triton.next_power_of_2's value,
+    in plain Python (see cdiv)."""
+    return 1 << (n - 1).bit_length() if n else 0
 
 
 def aligned(t: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels.launch import cdiv
 from kernels.runtime import INTERPRET, ON_GPU, processors
 from kernels.validate import input_precision
 
@@ -44,7 +45,7 @@ INTERPRETER_CONFIG = tile_config(32, 32, 32, num_warps=4, num_stages=1)
 
 def tile_count(m: int, n: int, meta) -> int:
     """Programs a config launches for an m x n output: one per BLOCK_M x BLOCK_N tile."""
-    return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+    return cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])
 
 
 def shared_memory_bytes(config, element_size: int) -> int:
@@ -165,7 +166,7 @@ def aligned(a, b) -> bool:
 
 
 def padded(size: int, multiple: int = PAD_MULTIPLE) -> int:
-    return triton.cdiv(size, multiple) * multiple
+    return cdiv(size, multiple) * multiple
 
 
 def pad_operands(a, b, bias=None, multiple: int = PAD_MULTIPLE):
@@ -197,7 +198,7 @@ SPLIT_K_MIN_K = 16384  # and K is at least this long
 
 def wants_split_k(M: int, N: int, K: int, sms: int) -> bool:
     """Whether a @ b goes to kernels.split_k: too few output tiles to fill `sms` SMs, long K."""
-    tiles = triton.cdiv(M, SPLIT_K_TILE) * triton.cdiv(N, SPLIT_K_TILE)
+    tiles = cdiv(M, SPLIT_K_TILE) * cdiv(N, SPLIT_K_TILE)
     return K >= SPLIT_K_MIN_K and tiles <= SPLIT_K_MAX_TILES * sms
 
 

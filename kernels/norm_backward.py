@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import norm_long
-from kernels.launch import launch
+from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps, programs
 from kernels.operators import operator
 
@@ -94,19 +94,19 @@ def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
     if dx.numel() == 0:
         return dx, dw, db
     dy2 = as_rows(dy)
-    rows_per_program = triton.cdiv(n_rows, programs(n_rows, x2.device))
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    rows_per_program = cdiv(n_rows, programs(n_rows, x2.device))
+    n_programs = cdiv(n_rows, rows_per_program)
     if n_cols > norm_long.LONG_ROW_COLS:
         dw_part, db_part = norm_long.backward(
             dy2, x2, weight, mean, rstd, dx, n_programs, rows_per_program, layer_norm
         )
         for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
-            grid, sizes = (triton.cdiv(n_cols, 128),), dict(BLOCK_P=32, BLOCK_N=128)
+            grid, sizes = (cdiv(n_cols, 128),), dict(BLOCK_P=32, BLOCK_N=128)
             launch(sum_partials_kernel, grid, part, out, n_programs, n_cols, **sizes)
         return dx, dw, db
     dw_part = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
     db_part = torch.empty_like(dw_part) if layer_norm else dw_part  # unused by RMSNorm
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     launch(
         norm_bwd_kernel,
         (n_programs,),
@@ -129,7 +129,7 @@ def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
         num_warps=num_warps(block, 16),
     )
     for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
-        grid = (triton.cdiv(n_cols, 128),)
+        grid = (cdiv(n_cols, 128),)
         launch(sum_partials_kernel, grid, part, out, n_programs, n_cols, BLOCK_P=32, BLOCK_N=128)
     return dx, dw, db
 

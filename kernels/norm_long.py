@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import launch
+from kernels.launch import launch, next_power_of_2
 from kernels.norm_tuning import launch_metadata, num_warps
 
 LONG_ROW_COLS = 65536  # rows longer than this take these kernels (tests lower it)
@@ -135,7 +135,7 @@ def norm_long_bwd_kernel(
 
 
 def _block(n_cols: int) -> int:
-    return min(LONG_BLOCK, triton.next_power_of_2(n_cols))
+    return min(LONG_BLOCK, next_power_of_2(n_cols))
 
 
 def forward(x2, weight, bias, eps, y2, mean, rstd):

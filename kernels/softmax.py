@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import softmax_tuning as tuning
-from kernels.launch import launch
+from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.operators import operator, through_operator
 from kernels.softmax_tuning import FUSED_MAX_COLS
 from kernels.validate import check_tensor
@@ -143,7 +143,7 @@ def _launch(x: torch.Tensor, how: tuning.Plan) -> torch.Tensor:
     n_rows, n_cols = x2.shape
     strides = (x2.stride(0), out2.stride(0))
     if how.path in ("rows", "row"):
-        grid = (triton.cdiv(n_rows, how.rows_per_program),)
+        grid = (cdiv(n_rows, how.rows_per_program),)
         launch(softmax_row_kernel, grid, x2, out2, n_rows, n_cols, *strides,
                BLOCK_ROWS=how.rows_per_program, BLOCK=how.block,
                num_warps=how.num_warps)  # fmt: skip
@@ -158,7 +158,7 @@ def _launch(x: torch.Tensor, how: tuning.Plan) -> torch.Tensor:
                how.cols_per_split, BLOCK=how.block, num_warps=how.num_warps)  # fmt: skip
         launch(softmax_split_kernel, grid, x2, out2, maxima, sums, n_cols, *strides,
                how.cols_per_split, BLOCK=how.block,
-               SPLITS_BLOCK=triton.next_power_of_2(how.splits),
+               SPLITS_BLOCK=next_power_of_2(how.splits),
                num_warps=how.num_warps)  # fmt: skip
     return out
 

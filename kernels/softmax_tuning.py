@@ -26,8 +26,7 @@ to be set from `python -m kernels bench shapes` (the softmax rows at every row l
 
 from dataclasses import dataclass
 
-import triton
-
+from kernels.launch import cdiv, next_power_of_2
 from kernels.runtime import processors
 
 PATHS = ("rows", "row", "split", "streamed")
@@ -82,11 +81,11 @@ def _decide(n_rows: int, n_cols: int, path: str | None, sms: int | None) -> Plan
         path = _choose(n_rows, n_cols, sms or processors())
     elif path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    padded = triton.next_power_of_2(n_cols)
+    padded = next_power_of_2(n_cols)
     if path in ("rows", "row"):
         rows = 1
         if path == "rows":  # never more rows than exist
-            rows = min(max(1, TILE_ELEMENTS // padded), triton.next_power_of_2(n_rows))
+            rows = min(max(1, TILE_ELEMENTS // padded), next_power_of_2(n_rows))
         return Plan(path, padded, num_warps(rows * padded, 32), rows_per_program=rows)
     block = min(STREAM_BLOCK, padded)
     if path == "streamed":
@@ -109,7 +108,7 @@ def split_rule(n_rows: int, n_cols: int, block: int, sms: int) -> tuple[int, int
     """(splits, cols_per_split): enough pieces per row that n_rows x splits programs reach
     SPLIT_PROGRAMS_PER_SM per SM, each piece whole blocks and at least SPLIT_MIN_COLS long
     (shorter rows are not cut), none empty."""
-    want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, n_rows)
+    want = cdiv(SPLIT_PROGRAMS_PER_SM * sms, n_rows)
     splits = max(1, min(want, n_cols // SPLIT_MIN_COLS, MAX_SPLITS))
-    cols_per_split = triton.cdiv(triton.cdiv(n_cols, splits), block) * block
-    return triton.cdiv(n_cols, cols_per_split), cols_per_split
+    cols_per_split = cdiv(cdiv(n_cols, splits), block) * block
+    return cdiv(n_cols, cols_per_split), cols_per_split

@@ -34,7 +34,7 @@ from kernels import arrivals
 from kernels import split_k_tuning as tuning
 from kernels.arrivals import last_to_arrive
 from kernels.bench import l2_bytes, rotating_copies, rotating_graph_ms
-from kernels.launch import launch
+from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.matmul_reference import matmul_ref
 from kernels.operators import operator, through_operator
 from kernels.primitives import add_combine, epilogue, swiglu
@@ -202,7 +202,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
     )
     scale = out if scale is None else scale
     bias = out if bias is None else bias
-    tiles = triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N)
+    tiles = cdiv(M, tile.BLOCK_M) * cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
     count = None if plan.splits == 1 else arrivals.counters(a.device, tiles)
     launch(split_k_kernel, (tiles * plan.splits,),
@@ -213,9 +213,9 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
         **flags, **meta,
     )  # fmt: skip
     if plan.splits > 1 and count is None:  # no counters to be had: a second launch sums
-        block_m = min(16, triton.next_power_of_2(M))
-        block_n = min(triton.next_power_of_2(N), max(64, 1024 // block_m))
-        grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+        block_m = min(16, next_power_of_2(M))
+        block_n = min(next_power_of_2(N), max(64, 1024 // block_m))
+        grid = (cdiv(N, block_n), cdiv(M, block_m))
         launch(split_k_reduce_kernel, grid,
             parts, out, scale, bias, M, N, plan.splits, parts.stride(0), *out.stride(),
             **flags, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -225,9 +225,9 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
 
 def _with_splits(plan, K: int, splits: int):
     """`plan`'s tile with K cut into at most `splits` pieces (whole BLOCK_K steps, none empty)."""
-    steps = triton.cdiv(K, plan.tile.BLOCK_K)
-    per = triton.cdiv(steps, min(splits, steps))
-    return tuning.Plan(plan.tile, triton.cdiv(steps, per), per * plan.tile.BLOCK_K)
+    steps = cdiv(K, plan.tile.BLOCK_K)
+    per = cdiv(steps, min(splits, steps))
+    return tuning.Plan(plan.tile, cdiv(steps, per), per * plan.tile.BLOCK_K)
 
 
 def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False):

@@ -17,8 +17,7 @@ Not yet measured: these lists are what a Hopper GPU should like, to be confirmed
 
 from dataclasses import dataclass
 
-import triton
-
+from kernels.launch import cdiv
 from kernels.runtime import ON_GPU, pick, processors
 
 
@@ -114,15 +113,15 @@ def split_rule(N: int, K: int, tile: Tile, sms: int | None = None, waves: int | 
     that many programs an SM, none left over for a partial wave (4096 x 14336 with 64-wide
     tiles: 2 pieces for one wave, 4 for two, where the rule above takes 3: 192 programs)."""
     sms = sms or processors()
-    tiles_n = triton.cdiv(N, tile.BLOCK_N)
-    steps = triton.cdiv(max(K, 1), tile.BLOCK_K)
+    tiles_n = cdiv(N, tile.BLOCK_N)
+    steps = cdiv(max(K, 1), tile.BLOCK_K)
     if waves is None:
-        want = 1 if tiles_n >= sms else triton.cdiv(sms, tiles_n)
+        want = 1 if tiles_n >= sms else cdiv(sms, tiles_n)
     else:
         want = waves * sms // tiles_n
     splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
-    steps_per_split = triton.cdiv(steps, splits)
-    splits = triton.cdiv(steps, steps_per_split)  # rounding may leave fewer, none empty
+    steps_per_split = cdiv(steps, splits)
+    splits = cdiv(steps, steps_per_split)  # rounding may leave fewer, none empty
     return splits, steps_per_split * tile.BLOCK_K
 
 
@@ -138,7 +137,7 @@ def candidates(kind: str, N: int, K: int) -> list[Plan]:
         plans.append(rule)
         if kind != "matmul" and rule.splits > 1:
             waves = [Plan(tile, *split_rule(N, K, tile, waves=w)) for w in (1, 2)]
-            whole = Plan(tile, 1, triton.cdiv(max(K, 1), tile.BLOCK_K) * tile.BLOCK_K)
+            whole = Plan(tile, 1, cdiv(max(K, 1), tile.BLOCK_K) * tile.BLOCK_K)
             plans += [p for p in dict.fromkeys([*waves, whole]) if p != rule]
     return plans
 

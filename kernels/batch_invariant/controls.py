@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.batch_invariant.rows import add_combine
+from kernels.launch import cdiv
 from kernels.runtime import INTERPRET, pick, processors
 from kernels.validate import check_matmul_inputs, check_tensor, input_precision
 
@@ -34,7 +35,7 @@ def split_k_for(M: int, N: int, K: int) -> int:
     """How many pieces to cut K into for an (M, N, K) matmul: double the split while the tiles
     times the split still fit the processors and each piece keeps at least two K blocks."""
     cfg = SPLIT_CONFIG
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     split = 1
     while (
         split < MAX_SPLIT_K
@@ -92,9 +93,9 @@ def split_k_matmul(a: torch.Tensor, b: torch.Tensor, split_k: int | None = None)
     if M == 0 or N == 0 or K == 0:
         return torch.zeros((M, N), dtype=a.dtype, device=a.device)
     cfg = SPLIT_CONFIG
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    k_per_split = cdiv(cdiv(K, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     parts = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+    grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]), split_k)
     split_k_matmul_kernel[grid](
         a, b, parts, M, N, K, k_per_split,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -121,6 +122,6 @@ def atomic_row_sum(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     x = x.contiguous()
     out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     if x.numel():
-        grid = (x.shape[0], triton.cdiv(x.shape[1], block))
+        grid = (x.shape[0], cdiv(x.shape[1], block))
         atomic_row_sum_kernel[grid](x, out, x.shape[1], x.stride(0), BLOCK=block)
     return out

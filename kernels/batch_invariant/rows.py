@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import launch
+from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.norm import rms_norm_ref as rms_norm_ref  # the course's reference: the same maths
 from kernels.operators import operator, through_operator
 from kernels.primitives import add_combine, max_combine
@@ -32,7 +32,7 @@ MAX_BLOCK_C = 4096  # columns per step: the whole row up to 4096, else chunks of
 
 
 def _block_c(n_cols: int) -> int:
-    return min(triton.next_power_of_2(n_cols), MAX_BLOCK_C)
+    return min(next_power_of_2(n_cols), MAX_BLOCK_C)
 
 
 # Profiler metadata, one function per kernel: (grid, compiled kernel, its arguments by name) ->
@@ -151,7 +151,7 @@ def _launch(kernel, n_rows, n_cols, *args, **constants):
     block_c = _block_c(n_cols)
     launch(
         kernel,
-        (triton.cdiv(n_rows, BLOCK_R),),
+        (cdiv(n_rows, BLOCK_R),),
         *args,
         BLOCK_R=BLOCK_R,
         BLOCK_C=block_c,

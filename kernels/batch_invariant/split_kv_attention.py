@@ -31,7 +31,7 @@ from kernels.attention import attention_ref as course_attention_ref
 from kernels.attention import check_attention_inputs
 from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
-from kernels.launch import launch
+from kernels.launch import cdiv, launch
 from kernels.operators import operator, through_operator
 from kernels.primitives import LOG2E
 from kernels.runtime import INTERPRET, pick
@@ -229,13 +229,13 @@ def _attention(
         return out.zero_()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cfg = CONFIG if split_size is None else {**CONFIG, "SPLIT_SIZE": split_size}
-    n_splits = triton.cdiv(Sk, cfg["SPLIT_SIZE"])
+    n_splits = cdiv(Sk, cfg["SPLIT_SIZE"])
     block_d = padded_head_dim(D)
     n_rows = B * H * Sq
     part_m = torch.empty((n_rows * n_splits,), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((n_rows * n_splits, block_d), dtype=torch.float32, device=q.device)
-    grid = (B * H, triton.cdiv(Sq, cfg["BLOCK_M"]), n_splits)
+    grid = (B * H, cdiv(Sq, cfg["BLOCK_M"]), n_splits)
     count = arrivals.counters(q.device, grid[0] * grid[1])  # None: the combine kernel combines
     launch(attention_split_kernel, grid,
         q, k, v, lens if lens is not None else part_m, part_m, part_l, part_acc, out,
@@ -250,7 +250,7 @@ def _attention(
         SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=split_stages(q.dtype, block_d),
     )  # fmt: skip
     if count is None:
-        launch(attention_combine_kernel, (triton.cdiv(n_rows, cfg["BLOCK_R"]),),
+        launch(attention_combine_kernel, (cdiv(n_rows, cfg["BLOCK_R"]),),
             part_m, part_l, part_acc, out, n_rows, n_splits, D,
             BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
