@@ -29,21 +29,21 @@ Names an expression can use (nothing else: it is parsed, never passed to eval):
 `a.b` and `a["b"]` read a key of a dict; `rows["name"]` picks the one item of a list whose
 `name` (or, failing that, any other text field) is that string; `rows[0]` indexes; + - * /.
 
-A cell with a `<!-- measured -->` block (it may be empty) is *converted*: every number in it
-with a unit of measurement (% × x µs us ms s GB/s TB/s TFLOP/s tok/s) must carry an annotation,
-be marked `<!-- cited -->` (a number from outside this run: a paper, a datasheet, an earlier
-run named as such), or be a target (right after ≥, ≤, <, >, "at most", "at least", "under",
-"over", "above", "below"). `check_notebook` fails, naming chapter, cell, the prose number and
-the recorded value, when
+In every markdown cell, every number with a unit of measurement (% × x µs us ms s GB/s TB/s
+TFLOP/s tok/s) must carry an annotation, be marked `<!-- cited -->` (a number from outside this
+run: a paper, a datasheet, an earlier run named as such), or be a target (right after ≥, ≤, <,
+>, "at most", "at least", "under", "over", "above", "below"). Annotations need a block
+`<!-- measured -->` in their cell (it may be empty): such a cell is *converted*.
+`check_notebook` fails, naming chapter, cell, the prose number and the recorded value, when
 - an annotated number differs from its recorded value (the prose was left behind by a
   re-recording, or was retyped wrong);
 - an expression names a value the recorded data no longer hold (a re-recording removed it);
 - a block defines a name no annotation uses (prose removed, its data left behind);
-- a converted cell states a measurement-like number with none of the three marks above;
+- any markdown cell, converted or not, states a measurement-like number with none of the three
+  marks above (a cell that quotes the run must be converted);
 - an annotation sits in a cell without a block (a cell is converted whole or not at all).
 
-Coverage: only converted cells are checked for unannotated numbers; all other markdown is not
-checked at all. `coverage(path)` lists the converted cells; `python -m kernels.prose NB...`
+`coverage(path)` lists the converted cells; `python -m kernels.prose NB...`
 prints every annotated number beside its recorded value, the list to work through after
 re-recording a chapter.
 """
@@ -291,15 +291,14 @@ def check_cell(source: str, where: str, cell: int, names: dict):
     problems += [f"{where}: prose says {a.number}: {a.problem}" for a in annotations if a.problem]
     for name in sorted(set(defined) - used):
         problems.append(f"{where}: `{name}` is defined in the block but no number uses it")
-    if blocks:
-        rest = IGNORED.sub(" ", CITED.sub(" ", ANNOTATED.sub(" ", source)))
-        for m in MEASUREMENT.finditer(rest):
-            if not TARGET.search(rest[max(0, m.start() - 12) : m.start()]):
-                context = " ".join(rest[max(0, m.start() - 40) : m.end() + 10].split())
-                problems.append(
-                    f"{where}: {m.group(0)!r} has no annotation (…{context}…): tie it to "
-                    "the recorded run with <!-- = ... -->, or mark it <!-- cited -->"
-                )
+    rest = IGNORED.sub(" ", CITED.sub(" ", ANNOTATED.sub(" ", source)))  # converted or not
+    for m in MEASUREMENT.finditer(rest):
+        if not TARGET.search(rest[max(0, m.start() - 12) : m.start()]):
+            context = " ".join(rest[max(0, m.start() - 40) : m.end() + 10].split())
+            problems.append(
+                f"{where}: {m.group(0)!r} has no annotation (…{context}…): tie it to "
+                "the recorded run with <!-- = ... -->, or mark it <!-- cited -->"
+            )
     return annotations, problems
 
 
