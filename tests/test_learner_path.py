@@ -49,11 +49,12 @@ def _learner_env(home: Path | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
-    """A folder laid out like the course, with its own copy of Lab 1."""
+    """A folder laid out like the course (solutions/ and book/ too, which the file browser must
+    hide), with its own copy of Lab 1."""
     if not (ROOT / ".venv" / "bin" / "jupyter").exists():
         pytest.skip("no .venv with JupyterLab: run make setup")
     folder = tmp_path_factory.mktemp("course")
-    for name in ("Makefile", "pyproject.toml", "kernels", "chapters", ".venv"):
+    for name in ("Makefile", "pyproject.toml", "kernels", "chapters", "solutions", "book", ".venv"):
         (folder / name).symlink_to(ROOT / name)
     (folder / "labs").mkdir()
     shutil.copy(ROOT / "labs" / LAB, folder / "labs" / LAB)
@@ -156,7 +157,7 @@ def test_a_learner_runs_chapter_1_fills_lab_1_and_grades_it(browser, course, jup
     page.goto(f"{jupyterlab}/lab?reset&token={TOKEN}")  # a fresh workspace
     page.locator(".jp-DirListing-item").first.wait_for(timeout=60_000)
     shown = set(page.locator(".jp-DirListing-itemText").all_inner_texts())
-    assert {"chapters", "labs"} <= shown and "solutions" not in shown, shown
+    assert {"chapters", "labs"} <= shown and not {"solutions", "book"} & shown, shown
 
     # Chapter 1: the preamble and the first measurements, live on this machine
     _open(page, "chapters", "01_three_regimes.ipynb")
