@@ -165,6 +165,15 @@ def test_the_last_piece_sums_as_the_second_kernel_does(monkeypatch, splits, acti
     assert torch.equal(one_launch, two_launches)
 
 
+def test_large_partial_sets_go_to_the_reduce_kernel():
+    """KernelBench's 256 x 256 x 524288 in 128 x 128 tiles: 66 pieces of 16384 partials a tile
+    are summed by the second kernel; a decode GEMV's 16 x 64 tiles in 4 pieces by the last."""
+    big = tuning.Plan(tuning.Tile(128, 128, 64), 66, 8000)
+    assert not split_k.last_piece_sums(big)
+    assert split_k.last_piece_sums(tuning.Plan(tuning.Tile(16, 64, 128), 4, 3584))
+    assert not split_k.last_piece_sums(tuning.Plan(tuning.Tile(16, 64, 128), 1, 14336))
+
+
 def test_non_contiguous_operands():
     a = check.random_tensor((30, 14), seed=11, scale=0.5).t()  # (14, 30), column-major
     b = check.random_tensor((30, 80), seed=12, scale=0.5)[:, ::2]  # (30, 40), every other column
