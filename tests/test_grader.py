@@ -19,49 +19,51 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_regimes.ipynb"
 TIME_LIMIT = "30" if ON_GPU else "10"  # the GPU pays for CUDA start-up and compiling first
 
-LAUNCH = "repeat_fma_kernel[grid](x, out, n, REPEAT=repeat, BLOCK_SIZE=BLOCK_SIZE)"
+LAUNCH = "poly_kernel[grid](x, coeffs, out, n, coeffs.numel(), BLOCK_SIZE=BLOCK_SIZE)"
 STORE = "tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)"
-LOAD = "y = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)"
+LOAD = "x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)"
 GRID = "grid = (triton.cdiv(n, BLOCK_SIZE),)"
 END = "    return out\n    ### END SOLUTION"
 IMPORTS = "import math"
 DOC_END = '"""\n    ### BEGIN SOLUTION'
 TORCH_MATH = "out.copy_((x.float() * 0.99 + 0.01).to(x.dtype))\n        "
-NO_KERNEL = END + "\n\n\ndef repeat_fma(x, repeat):\n    return x.clone()"
+NO_KERNEL = END + "\n\n\ndef poly(x, coeffs):\n    return x.clone()"
 STORE_TO_X = STORE + "\n    " + STORE.replace("out_ptr +", "x_ptr +")
 CACHE = ("BLOCK_SIZE = 1024", "BLOCK_SIZE = 1024\nseen = {}")
 PREDICTED = DOC_END.replace("\n", "\n    from kernels.bench import predicted_ms\n", 1)
-CACHED_RETURN = "    return seen.setdefault((x.shape, x.dtype, repeat), out)\n    ### END SOLUTION"
+CACHED_RETURN = (
+    "    return seen.setdefault((x.shape, x.dtype, coeffs.numel()), out)\n    ### END SOLUTION"
+)
 CONTIGUOUS = "    x = x.contiguous()  # flat indexing needs dense memory\n"
 
 # name -> (the graded cell to change: a function's name or "import", [(old, new), ...])
 KERNEL_CASES = {
-    "torch_in_launcher": ("repeat_fma", [(LAUNCH, TORCH_MATH + LAUNCH)]),
-    "no_kernel": ("repeat_fma", [(END, NO_KERNEL)]),
-    "torch_in_kernel": ("repeat_fma", [(LOAD, LOAD + "\n    y = torch.clamp(y, -1e4, 1e4)")]),
-    "unwritten": ("repeat_fma", [(GRID, "grid = (n // BLOCK_SIZE,)")]),
+    "torch_in_launcher": ("poly", [(LAUNCH, TORCH_MATH + LAUNCH)]),
+    "no_kernel": ("poly", [(END, NO_KERNEL)]),
+    "torch_in_kernel": ("poly", [(LOAD, LOAD + "\n    x = torch.clamp(x, -1e4, 1e4)")]),
+    "unwritten": ("poly", [(GRID, "grid = (n // BLOCK_SIZE,)")]),
     "unwritten_new_empty": (
-        "repeat_fma",
+        "poly",
         [
             ("out = torch.empty_like(x)", "out = x.new_empty(x.shape)"),
             (GRID, "grid = (n // BLOCK_SIZE,)"),
         ],
     ),
-    "modifies_input": ("repeat_fma", [(STORE, STORE_TO_X)]),
-    "cached": ("repeat_fma", [CACHE, (END, CACHED_RETURN)]),
-    "crash": ("repeat_fma", [(LOAD, "y = tl.load(x_ptr + offsets * 100000000 + 100000000000)")]),
-    "hang": ("repeat_fma", [(GRID, "while True:\n            pass")]),
-    "exit": ("repeat_fma", [(GRID, "exit(0)")]),
-    "exception": ("repeat_fma", [(GRID, GRID + "\n        raise ValueError('boom')")]),
-    "flood": ("repeat_fma", [(GRID, "while True:\n            print('spam ' * 200)")]),
-    "kernel_stub": ("repeat_fma", [(LOAD, "raise NotImplementedError('write the kernel')")]),
+    "modifies_input": ("poly", [(STORE, STORE_TO_X)]),
+    "cached": ("poly", [CACHE, (END, CACHED_RETURN)]),
+    "crash": ("poly", [(LOAD, "x = tl.load(x_ptr + offsets * 100000000 + 100000000000)")]),
+    "hang": ("poly", [(GRID, "while True:\n            pass")]),
+    "exit": ("poly", [(GRID, "exit(0)")]),
+    "exception": ("poly", [(GRID, GRID + "\n        raise ValueError('boom')")]),
+    "flood": ("poly", [(GRID, "while True:\n            print('spam ' * 200)")]),
+    "kernel_stub": ("poly", [(LOAD, "raise NotImplementedError('write the kernel')")]),
     "other_tensor": (
-        "repeat_fma",
+        "poly",
         [(END, "    return torch.empty_like(out)\n    ### END SOLUTION")],
     ),
-    "wrong_values": ("repeat_fma", [("y = y * 0.99 + 0.01", "y = y * 0.98 + 0.01")]),
+    "wrong_values": ("poly", [("y = y * x + tl.load", "y = y * x * 0.98 + tl.load")]),
     # flat indexing of a strided view reads the wrong memory; a transposed view hid this
-    "no_contiguous": ("repeat_fma", [(CONTIGUOUS, "")]),
+    "no_contiguous": ("poly", [(CONTIGUOUS, "")]),
 }
 LOAD_CASES = {
     "syntax_error": ("op_cost", [('if op == "add":', 'if op == "add"')]),
@@ -97,7 +99,7 @@ def batch(tmp_path_factory, cases, *options):
 
 @pytest.fixture(scope="module")
 def kernel_batch(tmp_path_factory):
-    return batch(tmp_path_factory, KERNEL_CASES, "--task", "repeat_fma")
+    return batch(tmp_path_factory, KERNEL_CASES, "--task", "poly")
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +112,7 @@ def value_batch(tmp_path_factory):
     return batch(tmp_path_factory, VALUE_CASES, "--task", "op_cost", "--task", "roofline_ms")
 
 
-def task(reports, submission, name="repeat_fma"):
+def task(reports, submission, name="poly"):
     (found,) = [t for t in reports[submission]["tasks"] if t["name"] == name]
     return found
 
@@ -118,7 +120,7 @@ def task(reports, submission, name="repeat_fma"):
 EXPECTED = {
     "torch_in_launcher": ["computed with torch outside a kernel", "mul", "Hint:"],
     "no_kernel": ["launched no Triton kernel"],
-    "torch_in_kernel": ["kernel repeat_fma_kernel uses torch", "cell 11, line"],
+    "torch_in_kernel": ["kernel poly_kernel uses torch", "cell 11, line"],
     "unwritten": ["never written", "NaN", "shape (1,)", "seed"],
     "unwritten_new_empty": ["never written", "NaN", "shape (1,)", "seed"],
     "modifies_input": ["modified its input 1", "shape (1,)"],
@@ -154,7 +156,7 @@ def test_each_kernel_defence_fails_the_task_with_its_own_message(kernel_batch, n
 
 def test_the_table_shows_one_line_per_failure(kernel_batch):
     _, stdout = kernel_batch
-    assert stdout.count("repeat_fma  ") >= len(KERNEL_CASES)
+    assert stdout.count("poly  ") >= len(KERNEL_CASES)
     assert stdout.count("score 0/4") == len(KERNEL_CASES)
 
 
