@@ -1,6 +1,7 @@
 """A chapter's prose states the numbers of its recorded run (kernels.prose)."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -91,13 +92,21 @@ def _planted(tmp_path, old, new, cell=TARGETS):
     return prose.check_notebook(path)[1]
 
 
+def _prose_number(name, cell=TARGETS):
+    """The number Chapter 3's prose ties to `name` first, as written ("0.96", "3.23")."""
+    source = "".join(json.loads(MATMUL.read_text())["cells"][cell]["source"])
+    return re.search(rf"([\d.]+)×?<!-- = {name} -->", source).group(1)
+
+
 def test_a_changed_number_in_prose_fails_naming_cell_number_and_recorded_value(tmp_path):
-    problems = _planted(
-        tmp_path, "bf16 0.97×<!-- = bf16_4096 -->", "bf16 0.95×<!-- = bf16_4096 -->"
-    )
+    said = _prose_number("bf16_4096")
+    wrong = f"{float(said) - 0.05:.2f}"
+    problems = _planted(tmp_path, f"{said}×<!-- = bf16_4096 -->", f"{wrong}×<!-- = bf16_4096 -->")
     assert len(problems) == 1, problems
-    assert f"03_matmul cell {TARGETS}" in problems[0] and "prose says 0.95" in problems[0]
-    assert "0.9723" in problems[0]  # the recorded value
+    assert f"03_matmul cell {TARGETS}" in problems[0] and f"prose says {wrong}" in problems[0]
+    bench = json.loads((prose.DATA_DIR / RECORDED_GPU / "bench.json").read_text())
+    row = next(r for r in bench["rows"] if r["name"] == "matmul bf16 4096^3")
+    assert f"is {row['baselines']['torch.matmul'] / row['ms']:.4g}" in problems[0]  # recorded
 
 
 def test_an_annotation_to_a_value_no_longer_recorded_fails(tmp_path):
@@ -118,13 +127,15 @@ def test_a_rerecorded_run_leaves_the_prose_behind(tmp_path, monkeypatch):
     (data / "bench.json").write_text(json.dumps(bench))
     monkeypatch.setattr(prose, "DATA_DIR", tmp_path)
     problems = prose.check_notebook(MATMUL)[1]
-    assert any("prose says 0.97" in p and "bf16_4096" in p for p in problems), problems
+    said = _prose_number("bf16_4096")
+    assert any(f"prose says {said}" in p and "bf16_4096" in p for p in problems), problems
     assert any("fp32_tf32" in p and "matmul fp32 tf32 4096^3" in p for p in problems), problems
 
 
 def test_an_unannotated_measurement_in_a_converted_cell_fails(tmp_path):
-    problems = _planted(tmp_path, "3.21×<!-- = odd --> cuBLAS.", "3.21× cuBLAS.")
-    assert len(problems) == 1 and "'3.21×' has no annotation" in problems[0], problems
+    said = _prose_number("odd")
+    problems = _planted(tmp_path, f"{said}×<!-- = odd --> cuBLAS.", f"{said}× cuBLAS.")
+    assert len(problems) == 1 and f"'{said}×' has no annotation" in problems[0], problems
 
 
 def test_a_block_name_with_no_number_left_fails(tmp_path):
