@@ -23,8 +23,8 @@ from kernels.launch import Launcher, aligned, int_class, next_power_of_2
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
-from kernels.operators import one_output, operator, through_operator
-from kernels.validate import check_row_vector, check_same, check_tensor
+from kernels.operators import eager_autograd, one_output, operator
+from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
 # Rows up to MAX_COLS are kept whole in registers (the kernels below); longer rows take
 # kernels.norm_long's chunked kernels (rms_norm, layer_norm; add_rms_norm refuses them).
@@ -231,16 +231,26 @@ add_rms_norm_forward.register_autograd(_add_rms_norm_grads, setup_context=_add_r
 one_output("rms_norm", rms_norm_forward)
 one_output("layer_norm", layer_norm_forward)
 one_output("add_rms_norm", add_rms_norm_forward, n_outputs=2)
+# The same implementations, setup and backward, as autograd Functions: eager calls that
+# autograd records skip the operators' dispatch (kernels.operators, road 3)
+_rms_norm_autograd = eager_autograd(_rms_norm_forward, _save_stats, _rms_norm_grads)
+_layer_norm_autograd = eager_autograd(_layer_norm_forward, _save_stats, _layer_norm_grads)
+_add_rms_norm_autograd = eager_autograd(
+    _add_rms_norm_forward, _add_rms_norm_setup, _add_rms_norm_grads
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading dims), scaled by `weight`; fp32 inside,
     output in x's dtype. Differentiable in x and weight (backward in Triton). Rows of any
     length: past MAX_COLS columns the chunked kernels of kernels.norm_long, which read x
-    twice. The operator torch.ops.brrr.rms_norm."""
+    twice. The operator torch.ops.brrr.rms_norm, which torch.compile calls; an eager call
+    that autograd records runs the same implementation without its dispatch."""
     _check(x, eps, weight=weight)
-    if through_operator(x, weight):
+    if torch.compiler.is_compiling():
         return rms_norm_forward(x, weight, float(eps))[0]
+    if needs_grad(x, weight):
+        return _rms_norm_autograd(x, weight, float(eps))[0]
     return _forward(x, weight, None, float(eps), save_stats=False)[0]
 
 
@@ -250,10 +260,14 @@ def layer_norm(
     """LayerNorm over the last dim of `x` (any leading dims), then `* weight + bias`; fp32
     inside, output in x's dtype. Differentiable in x, weight and bias (backward in Triton).
     Rows of any length: past MAX_COLS columns the chunked kernels of kernels.norm_long
-    (Welford's variance), which read x twice. The operator torch.ops.brrr.layer_norm."""
+    (Welford's variance), which read x twice. The operator torch.ops.brrr.layer_norm, which
+    torch.compile calls; an eager call that autograd records runs the same implementation
+    without its dispatch."""
     _check(x, eps, weight=weight, bias=bias)
-    if through_operator(x, weight, bias):
+    if torch.compiler.is_compiling():
         return layer_norm_forward(x, weight, bias, float(eps))[0]
+    if needs_grad(x, weight, bias):
+        return _layer_norm_autograd(x, weight, bias, float(eps))[0]
     return _forward(x, weight, bias, float(eps), save_stats=False)[0]
 
 
@@ -265,7 +279,8 @@ def add_rms_norm(
     y: 4 passes over the rows, where add then rms_norm take 3 + 2. The residual stream
     of a transformer: h goes on to the next block, y into this one's attention or MLP.
     Differentiable in x, residual and weight. Rows up to MAX_COLS columns (a ValueError
-    past it). The operator torch.ops.brrr.add_rms_norm."""
+    past it). The operator torch.ops.brrr.add_rms_norm, which torch.compile calls; an eager
+    call that autograd records runs the same implementation without its dispatch."""
     _check(x, eps, weight=weight)
     check_tensor("residual", residual)
     check_same("x and residual", x, residual)
@@ -274,8 +289,11 @@ def add_rms_norm(
             f"add_rms_norm supports rows up to {MAX_COLS} columns, got {tuple(x.shape)}: "
             "call rms_norm(x + residual, weight, eps), which has a long-row path"
         )
-    if through_operator(x, residual, weight):
+    if torch.compiler.is_compiling():
         y, h, _ = add_rms_norm_forward(x, residual, weight, float(eps))
+        return y, h
+    if needs_grad(x, residual, weight):
+        y, h, _ = _add_rms_norm_autograd(x, residual, weight, float(eps))
         return y, h
     y, _, _, _, h = _forward(x, weight, None, float(eps), residual, save_stats=False)
     return y, h

@@ -9,8 +9,14 @@ What a public function (`kernels.norm.rms_norm`, ...) does, in order:
 1. It validates its inputs in Python. In eager and under `torch.compile` alike a bad input gets
    the same TypeError or ValueError; with `fullgraph=True` Dynamo reports it inside its own
    error, the message included.
-2. Under `torch.compile`, or when autograd must record the call, it calls the operator.
-3. Otherwise (eager, nothing to differentiate) it launches the kernel directly: the operator's
+2. Under `torch.compile` it calls the operator; so does an eager call that autograd must
+   record, except for the ops of 3.
+3. rms_norm, layer_norm and add_rms_norm, in an eager call that autograd must record, call
+   `eager_autograd`'s torch.autograd.Function instead: the operator's own implementation,
+   setup_context and backward, with no dispatch in the forward or the backward. torch.library's
+   wrappers around each call (its autograd Function, the redispatch, Dynamo's disable around
+   the implementation) cost about as much host time as the course's own Python in a step.
+4. Otherwise (eager, nothing to differentiate) it launches the kernel directly: the operator's
    dispatch costs microseconds of host time that a small input cannot hide (Chapter 1's overhead
    regime; `python -m kernels bench overhead` measures each rung). After a shape's first call
    the launch skips Triton's own Python too: kernels.launch's Launcher, under a key the call
@@ -33,6 +39,11 @@ attention's log-sum-exp) are three operators each:
   torch.ops.brrr.rms_norm(x, w, eps); the public function calls `<name>_forward` directly
   (one dispatch fewer).
 
+The eager road (3) reuses the functions registered on `<name>_forward` (setup_context and
+backward), so there is one autograd formula per op. `backward_operator` registers
+`<name>_backward` and returns what the backward calls: the operator, except inside an
+`eager_autograd` Function's backward, where the implementation itself runs.
+
 Why save rather than recompute: the statistics cost 4 bytes a row. A norm's backward kernel
 could recompute rstd from the row it loads anyway, but attention's log-sum-exp would cost a
 whole forward pass again; one design serves all three, and the backward uses the forward's
@@ -43,12 +54,17 @@ batch-invariant rms_norm and attention) raise torch's "no autograd formula was r
 error when a gradient reaches them, rather than returning an output cut out of the graph.
 """
 
+import threading
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from kernels.validate import needs_grad
 
 NAMESPACE = "brrr"
 REGISTERED: list[str] = []  # every operator's name, in registration order
+# .active: True while an eager_autograd Function's backward runs in this thread
+_eager_backward = threading.local()
 
 
 def operator(name: str, impl, fake):
@@ -87,3 +103,40 @@ def through_operator(*tensors) -> bool:
     """Whether a public function must call its operator rather than launch directly: while
     torch.compile traces it, or when autograd records the call."""
     return torch.compiler.is_compiling() or needs_grad(*tensors)
+
+
+def backward_operator(name: str, impl, fake):
+    """Register `impl`, a backward's launcher, as torch.ops.brrr.<name> (`operator`); return
+    the function a registered backward calls: the operator (what torch.compile and opcheck
+    trace), or `impl` itself inside an eager_autograd Function's backward (no dispatch)."""
+    op = operator(name, impl, fake)
+
+    def call(*args):
+        return impl(*args) if getattr(_eager_backward, "active", False) else op(*args)
+
+    return call
+
+
+def eager_autograd(impl, setup_context, backward):
+    """`impl` (an operator's implementation) as a torch.autograd.Function's apply, for eager
+    calls that autograd records; torch.compile calls the operator instead. `setup_context`
+    and `backward` are those registered on the operator, called as torch.library calls them;
+    the backward operators they reach run their implementations. Once differentiable: the
+    backward operators have no backward either."""
+
+    def forward(ctx, *args):
+        output = impl(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    @once_differentiable
+    def eager_backward(ctx, *grads):
+        _eager_backward.active = True
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _eager_backward.active = False
+
+    name = impl.__name__.strip("_")  # the grad_fn of _rms_norm_forward: rms_norm_forwardBackward
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(eager_backward)}
+    return type(name, (torch.autograd.Function,), methods).apply

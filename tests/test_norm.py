@@ -2,7 +2,9 @@ import types
 
 import pytest
 import torch
+import torch._dynamo.testing
 from params import DTYPES, attached_metadata
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import check
 from kernels import norm as norm_module
@@ -310,3 +312,132 @@ def test_add_rms_norm_non_contiguous_empty_and_bad_inputs():
         add_rms_norm(x, 1.0, w)
     with pytest.raises(ValueError, match=r"must have x's last dim"):
         add_rms_norm(x, residual, w[:7])
+
+
+# --- eager autograd without the operators (kernels.operators, road 3) ---------------------
+# (public function, its operator called directly for the same outputs, fp64 reference, the
+# number of row-shaped inputs first in its arguments: the rest are vectors)
+ROADS = {
+    "rms_norm": (
+        rms_norm,
+        lambda x, w: norm_module.rms_norm_forward(x, w, 1e-6)[0],
+        rms_norm_ref,
+        1,
+    ),
+    "layer_norm": (
+        layer_norm,
+        lambda x, w, b: norm_module.layer_norm_forward(x, w, b, 1e-5)[0],
+        layer_norm_ref,
+        1,
+    ),
+    "add_rms_norm": (
+        add_rms_norm,
+        lambda x, r, w: tuple(norm_module.add_rms_norm_forward(x, r, w, 1e-6)[:2]),
+        add_rms_norm_ref,
+        2,
+    ),
+}
+BACKWARD_OPERATOR = {"rms_norm": "rms_norm_backward", "layer_norm": "layer_norm_backward",
+                     "add_rms_norm": "rms_norm_backward"}  # fmt: skip
+
+
+def _road_inputs(op, shape, step=1, seed=70):
+    """(rows, vectors, step): the row-shaped inputs (x, and the residual), the vectors (weight,
+    and bias) `step` times the row's length, of which the op gets every step-th element."""
+    n_rows, n_vectors, n = ROADS[op][3], 1 + (op == "layer_norm"), shape[-1]
+    rows = [check.random_tensor(shape, seed=seed + i, scale=2.0) for i in range(n_rows)]
+    vectors = [check.random_tensor((step * n,), seed=seed + 5 + i) for i in range(n_vectors)]
+    return rows, vectors, step
+
+
+def _outputs_and_grads(fn, rows, vectors, step, seed=80):
+    """fn's outputs and the gradients of <outputs, random dys> for every input (each vector's
+    whole length)."""
+    leaves = [t.detach().clone().requires_grad_() for t in rows + vectors]
+    out = fn(*leaves[: len(rows)], *[v[::step] for v in leaves[len(rows) :]])
+    outs = out if isinstance(out, tuple) else (out,)
+    dys = [check.random_tensor(o.shape, o.dtype, seed=seed + i) for i, o in enumerate(outs)]
+    return outs, torch.autograd.grad(outs, leaves, dys)
+
+
+def _check_eager_autograd_against_the_operator(op, shape, step=1):
+    """The public function's outputs and gradients (eager: the autograd Function) have the bits
+    of its operator's, called directly, and match the fp64 reference's."""
+    public, operator, reference, _ = ROADS[op]
+    rows, vectors, step = _road_inputs(op, shape, step)
+    outs, grads = _outputs_and_grads(public, rows, vectors, step)
+    op_outs, op_grads = _outputs_and_grads(operator, rows, vectors, step)
+    # two roads, not one taken twice: only the operator's autograd node is torch.library's
+    assert "brrr" not in type(outs[0].grad_fn).__name__
+    assert "brrr" in type(op_outs[0].grad_fn).__name__
+    names = ["y", "h"][: len(outs)] + ["dx", "dresidual"][: len(rows)] + ["dw", "db"]
+    for name, got, expected in zip(names, outs + grads, op_outs + op_grads, strict=False):
+        assert torch.equal(got, expected), f"{op} {name} differs from the operator's"
+    wide = [t.double() for t in rows], [v.double() for v in vectors]
+    _, ref_grads = _outputs_and_grads(reference, *wide, step)
+    for name, got, expected in zip(names[len(outs) :], grads, ref_grads, strict=False):
+        result = check.compare(got, expected, op="reduction", dtype=torch.float32)
+        assert result.ok, f"{op} {name}: {result.message}"
+
+
+@pytest.mark.parametrize("weight", ["dense", "strided"])
+@pytest.mark.parametrize("shape", [(37, 300), (2, 5, 129)], ids=str)
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_has_the_operators_bits(op, shape, weight):
+    _check_eager_autograd_against_the_operator(op, shape, step=2 if weight == "strided" else 1)
+
+
+class _OperatorsSeen(TorchDispatchMode):
+    """The course's operators (brrr::) dispatched while the mode is on, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "brrr":
+            self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_dispatches_no_operator(op):
+    public, operator, _, _ = ROADS[op]
+    inputs = _road_inputs(op, (5, 33))
+    with _OperatorsSeen() as eager:
+        _outputs_and_grads(public, *inputs)
+    with _OperatorsSeen() as through_operator:  # what the mode sees when they are dispatched
+        _outputs_and_grads(operator, *inputs)
+    assert eager.names == set()
+    assert through_operator.names == {f"brrr.{op}_forward.default",
+                                      f"brrr.{BACKWARD_OPERATOR[op]}.default"}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_compiled_forward_and_backward_keep_to_the_operators(op):
+    torch._dynamo.reset()
+    recorded = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    public = ROADS[op][0]
+    inputs = _road_inputs(op, (5, 33))
+    compiled = torch.compile(public, backend=recorded, fullgraph=True)
+    outs, grads = _outputs_and_grads(compiled, *inputs)
+
+    def called(graphs):
+        return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+    assert f"brrr.{op}_forward.default" in called(recorded.fw_graphs)
+    assert f"brrr.{BACKWARD_OPERATOR[op]}.default" in called(recorded.bw_graphs)
+    eager_outs, eager_grads = _outputs_and_grads(public, *inputs)
+    for got, expected in zip(outs + grads, eager_outs + eager_grads, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_eager_autograd_is_once_differentiable():
+    # the operators have no second derivative: neither has the Function (an error, not dh alone)
+    x, residual, w = (t.requires_grad_() for t in _add_inputs((3, 16), torch.float32, seed=90))
+    for fn in ROADS["add_rms_norm"][:2]:
+        y, h = fn(x, residual, w)
+        dy, dh = (torch.ones_like(t, requires_grad=True) for t in (y, h))
+        dx, _, _ = torch.autograd.grad((y, h), (x, residual, w), (dy, dh), create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
+            dx.sum().backward()

@@ -8,7 +8,13 @@ import types
 import pytest
 import torch
 from params import CPU_DTYPES, DTYPES, attached_metadata
-from test_norm import OPS, _check_against_fp64, _forward_backward, _inputs
+from test_norm import (
+    OPS,
+    _check_against_fp64,
+    _check_eager_autograd_against_the_operator,
+    _forward_backward,
+    _inputs,
+)
 
 from kernels import check, norm_long
 from kernels import norm as norm_module
@@ -84,6 +90,12 @@ def test_chunked_non_contiguous_inputs(op, long_rows):
     x64 = base.double().requires_grad_()
     reference(x64, *[q.double() for q in params]).sum().backward()
     check.assert_close(x.grad, x64.grad, op="reduction")
+
+
+@pytest.mark.parametrize("shape", [(3, 300), (2, 3, 321)], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_chunked_eager_autograd_has_the_operators_bits(op, shape, long_rows):
+    _check_eager_autograd_against_the_operator(op, shape, step=2)  # a strided weight, too
 
 
 def test_layer_norm_variance_does_not_cancel(long_rows):
