@@ -93,12 +93,17 @@ def l2_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20))
 
 
-def rotating_copies(t: torch.Tensor, past_bytes: int | None = None) -> list[torch.Tensor]:
+def rotating_copies(
+    t: torch.Tensor, past_bytes: int | None = None, most: int | None = None
+) -> list[torch.Tensor]:
     """Copies of `t` (t itself first) that together hold more than `past_bytes` (default: twice
     the L2) and number at least two: cycled through by `rotating_graph_ms`, no call finds its
-    operand in L2 from the calls before, as a model's next layer finds its own weight cold."""
+    operand in L2 from the calls before, as a model's next layer finds its own weight cold.
+    `most` caps the count: an activation of a few KB stays in L2 in a model too (the kernel
+    before wrote it), and thousands of copies would make thousands of calls."""
     past_bytes = 2 * l2_bytes() if past_bytes is None else past_bytes
     count = max(2, -(-past_bytes // max(t.nbytes, 1)) + 1)
+    count = count if most is None else min(count, max(most, 1))
     return [t] + [t.clone() for _ in range(count - 1)]
 
 
@@ -106,8 +111,9 @@ def rotating_graph_ms(fn, argsets, calls: int | None = None, rep_ms: int = 100) 
     """GPU milliseconds per call of fn(*args), `calls` calls (default: at least 32, a whole
     number of rounds) captured back to back in one CUDA graph, cycling through `argsets` (for
     example the rotating_copies of a weight): the way a decode step runs its layers, with no
-    launch overhead between calls and no help from the L2. A single `time_ms` call of a small
-    kernel also pays a fixed few microseconds; the two side by side show it. `rep_ms`: how
+    launch overhead between calls and no help from the L2 (each call also writes its own
+    output buffer, as each layer does). A single `time_ms` call of a small kernel also pays a
+    fixed few microseconds; the two side by side show it. `rep_ms`: how
     long the replays are timed for (kernels.split_k_tuning ranks tiles with short runs). GPU
     only."""
     if not ON_GPU:
@@ -124,9 +130,11 @@ def rotating_graph_ms(fn, argsets, calls: int | None = None, rep_ms: int = 100) 
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    # Each output is kept while capturing, so every call gets a buffer of its own: no call
+    # writes over lines that the call before left dirty in L2 (the graph's pool keeps them).
     with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*argsets[i % len(argsets)])
+        outputs = [fn(*argsets[i % len(argsets)]) for i in range(calls)]
+    del outputs
     import triton.testing
 
     ms = triton.testing.do_bench(graph.replay, warmup=rep_ms // 4, rep=rep_ms, return_mode="median")

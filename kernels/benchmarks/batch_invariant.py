@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from kernels import bench
-from kernels.benchmarks.rows import CUBLAS_IS_NOT_A_ROOF, READS_ONLY, row
+from kernels.benchmarks.rows import CUBLAS_IS_NOT_A_ROOF, READS_ONLY, row, timed_rows
 from kernels.runtime import DEVICE
 
 # Rows that may pass their measured ceiling, and why: (name pattern, unit, reason). Each row
@@ -32,53 +32,53 @@ def bench_batch_invariant(ceilings):
     rows = []
     n = k = 4096
     b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
+    weights = bench.rotating_copies(b)
     for m in (1, 16, 64, 256, 1024, 2048, 4096, 8192):
         a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-        cublas = {"cuBLAS": bench.time_ms(torch.mm, a, b)}
-        ms = bench.time_ms(bi.matmul, a, b)
-        name = f"invariant matmul M={m}"  # bf16, N = K = 4096
-        rows.append(
-            row(
-                name,
-                ms,
-                flops=2 * m * n * k,
-                ceilings=ceilings,
-                dtype="bf16",
-                baselines=cublas,
-                above_roof=CUBLAS_IS_NOT_A_ROOF,
-            )
+        rows += timed_rows(
+            f"invariant matmul M={m}",  # bf16, N = K = 4096
+            bi.matmul,
+            [(a, w) for w in weights],
+            {"cuBLAS": torch.mm},
+            graph=m <= 2048,  # up to about 100 us of FLOPs at cuBLAS's rate
+            flops=2 * m * n * k,
+            ceilings=ceilings,
+            dtype="bf16",
+            above_roof=CUBLAS_IS_NOT_A_ROOF,
         )
+    del weights
     w = torch.randn(4096, device=DEVICE, dtype=torch.bfloat16)
-    for m in (1, 64, 4096, 16384):
+    for m in (1, 64, 4096, 16384):  # at most 256 MB: 64 us of bytes
         x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
         baselines = {
-            "kernels.norm.rms_norm": bench.time_ms(rms_norm, x, w),
-            "torch fp32 math": bench.time_ms(bi.rms_norm_ref, x, w),
-            "F.rms_norm": bench.time_ms(F.rms_norm, x, (4096,), w, 1e-6),
+            "kernels.norm.rms_norm": rms_norm,
+            "torch fp32 math": bi.rms_norm_ref,
+            "F.rms_norm": lambda x, w: F.rms_norm(x, (4096,), w, 1e-6),
         }
-        ms = bench.time_ms(bi.rms_norm, x, w)
-        name = f"invariant rms_norm {m}x4096"  # bf16
-        rows.append(
-            row(name, ms, bytes_moved=2 * x.numel() * 2, ceilings=ceilings, baselines=baselines)
+        rows += timed_rows(
+            f"invariant rms_norm {m}x4096",  # bf16
+            bi.rms_norm,
+            [(c, w) for c in bench.rotating_copies(x, most=8)],  # small x: in L2, as in a model
+            baselines,
+            graph=True,
+            bytes_moved=2 * x.numel() * 2,
+            ceilings=ceilings,
         )
     for batch, keys in ((1, 4096), (8, 4096), (64, 1024), (32, 8192)):
         q = torch.randn(batch, 32, 1, 128, device=DEVICE, dtype=torch.bfloat16)
         k, v = (torch.randn(batch, 32, keys, 128, device=DEVICE, dtype=q.dtype) for _ in "kv")
-        baselines = {
-            "kernels.attention": bench.time_ms(attention, q, k, v),
-            "SDPA": bench.time_ms(F.scaled_dot_product_attention, q, k, v),
-        }
-        ms = bench.time_ms(bi.attention, q, k, v)
-        name = f"invariant attention B={batch} Sk={keys}"  # bf16, Sq=1, H=32, D=128
-        rows.append(  # decoding reads the keys and values: 2 * numel bf16 elements
-            row(
-                name,
-                ms,
-                bytes_moved=2 * k.numel() * 2,
-                ceilings=ceilings,
-                baselines=baselines,
-                above_roof=READS_ONLY,
-            )
+        rows += timed_rows(
+            f"invariant attention B={batch} Sk={keys}",  # bf16, Sq=1, H=32, D=128
+            bi.attention,
+            [
+                (q, *kv)
+                for kv in zip(bench.rotating_copies(k), bench.rotating_copies(v), strict=True)
+            ],
+            {"kernels.attention": attention, "SDPA": F.scaled_dot_product_attention},
+            graph=batch * keys <= 4096,  # 67 MB of keys and values: 16 us; the next is 8x that
+            bytes_moved=2 * k.numel() * 2,  # decoding reads the keys and values
+            ceilings=ceilings,
+            above_roof=READS_ONLY,
         )
     rows.append(_prefill_row(ceilings))
     rows.append(_serving_row())

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import bench
-from kernels.benchmarks.rows import CUBLAS_IS_NOT_A_ROOF, READS_ONLY, row
+from kernels.benchmarks.rows import CUBLAS_IS_NOT_A_ROOF, READS_ONLY, both_ways, row, rows_both_ways
 from kernels.runtime import DEVICE
 
 DECODE_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K): an 8B model's MLP up and down
@@ -22,22 +22,10 @@ DECODE_ROWS = (1, 16, 64)
 SPLIT_K_SHAPE = (256, 256, 524288)  # (M, N, K): KernelBench level 1, "large K"
 
 
-def _both_ways(fn, argsets) -> dict:
-    return {"graph": bench.rotating_graph_ms(fn, argsets), "call": bench.time_ms(fn, *argsets[0])}
-
-
 def _gemv_rows(label, ours, baselines, moved, ceilings):
-    return [
-        row(
-            f"{label} [{how}]",
-            ours[how],
-            bytes_moved=moved,
-            ceilings=ceilings,
-            baselines={name: times[how] for name, times in baselines.items()},
-            above_roof=READS_ONLY,
-        )
-        for how in ("graph", "call")
-    ]
+    return rows_both_ways(
+        label, ours, baselines, bytes_moved=moved, ceilings=ceilings, above_roof=READS_ONLY
+    )
 
 
 def bench_gemv(ceilings):
@@ -53,12 +41,12 @@ def bench_gemv(ceilings):
         for m in DECODE_ROWS:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             dense = [(x, w) for w in weights]
-            cublas = _both_ways(F.linear, dense)
-            ours = _both_ways(gemv.linear, dense)
+            cublas = both_ways(F.linear, dense)
+            ours = both_ways(gemv.linear, dense)
             moved = 2 * (n * k + m * k + m * n)
             label = f"gemv bf16 M={m} {n}x{k}"
             rows += _gemv_rows(label, ours, {"cuBLAS F.linear": cublas}, moved, ceilings)
-            int8_ms = _both_ways(int8.linear, [(x, c, s) for c, s in quantized])
+            int8_ms = both_ways(int8.linear, [(x, c, s) for c, s in quantized])
             moved = n * k + 4 * n + 2 * (m * k + m * n)
             baselines = {"cuBLAS F.linear bf16": cublas, "gemv bf16": ours}
             rows += _gemv_rows(f"gemv int8 M={m} {n}x{k}", int8_ms, baselines, moved, ceilings)

@@ -1,12 +1,13 @@
 """Chapter 2's benchmarks: memory-bound ops at LLM-like shapes (the vector add, bias + GELU,
 softmax, the norms forward and backward), against eager PyTorch and torch.compile (default
 mode, specialised to each shape; compile time excluded). Rated in GB/s of the bytes each op
-must move at least."""
+must move at least. The forward ops at 4096 x 4096 (16 to 32 us of bytes at the H200's copy
+bandwidth) are timed both ways, "[graph]" and "[call]" (see kernels.benchmarks.rows)."""
 
 import torch
 
 from kernels import bench
-from kernels.benchmarks.rows import row
+from kernels.benchmarks.rows import row, timed_rows
 from kernels.runtime import DEVICE, pick
 
 FUSION_SHAPES = ((4096, 4096), (16384, 8192))
@@ -79,23 +80,20 @@ def bench_fusion(ceilings, shapes=FUSION_SHAPES, dtypes=FUSION_DTYPES):
             x = torch.randn(m, n, device=DEVICE, dtype=dtype)
             w = torch.randn(n, device=DEVICE, dtype=dtype)
             b = torch.randn(n, device=DEVICE, dtype=dtype)
+            argsets = [(c, w, b) for c in bench.rotating_copies(x)]
             for op, (kernel, eager, n_vectors) in ops.items():
                 compiled = torch.compile(eager, dynamic=False)
                 compiled(x, w, b)  # compile now: compile time stays out of the timing
-                bytes_moved = (2 * m * n + n_vectors * n) * x.element_size()  # read x, write y
-                rows.append(
-                    row(
-                        f"{op} {dtype_name} {m}x{n}",
-                        bench.time_ms(kernel, x, w, b),
-                        bytes_moved=bytes_moved,
-                        ceilings=ceilings,
-                        baselines={
-                            "torch": bench.time_ms(eager, x, w, b),
-                            "torch.compile": bench.time_ms(compiled, x, w, b),
-                        },
-                    )
+                rows += timed_rows(
+                    f"{op} {dtype_name} {m}x{n}",
+                    kernel,
+                    argsets,
+                    {"torch": eager, "torch.compile": compiled},
+                    graph=m * n <= 4096 * 4096,
+                    bytes_moved=(2 * m * n + n_vectors * n) * x.element_size(),  # read x, write y
+                    ceilings=ceilings,
                 )
-            del x, w, b
+            del x, w, b, argsets
     return rows
 
 
