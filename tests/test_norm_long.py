@@ -101,8 +101,8 @@ def test_chunked_eager_autograd_has_the_operators_bits(op, shape, long_rows):
 def test_layer_norm_variance_does_not_cancel(long_rows):
     # mean 300, std 1: E[x^2] - E[x]^2 in fp32 subtracts two numbers near 9e4 to get 1. The
     # saved rstd is compared (y itself carries fp32's rounding of x - mean near 300: 3e-5 ulps)
-    x = 300.0 + torch.randn(4, 4099, generator=torch.Generator().manual_seed(56))
-    w, b = torch.ones(4099), torch.zeros(4099)
+    x = (300.0 + torch.randn(4, 4099, generator=torch.Generator().manual_seed(56))).to(DEVICE)
+    w, b = torch.ones(4099, device=DEVICE), torch.zeros(4099, device=DEVICE)
     rstd64 = torch.rsqrt(x.double().var(-1, unbiased=False) + 1e-5)
     one_pass = torch.rsqrt(x.square().mean(-1) - x.mean(-1).square() + 1e-5)  # what is avoided
     assert not check.compare(one_pass, rstd64, op="reduction", dtype=torch.float32).ok
