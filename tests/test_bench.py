@@ -357,6 +357,39 @@ def test_rotating_copies_pass_the_bytes_asked_for():
     assert copies[0] is t and len(copies) == 4  # 16000 bytes, and no call sees its copy twice
     assert all(torch.equal(c, t) and c.data_ptr() != t.data_ptr() for c in copies[1:])
     assert len(rotating_copies(t, past_bytes=0)) == 2
+    assert len(rotating_copies(t, past_bytes=10_000, most=3)) == 3  # capped
+    assert len(rotating_copies(t, past_bytes=10_000, most=1)) == 1  # t alone
+
+
+def test_timed_rows_give_graph_and_call_rows_only_when_asked(monkeypatch):
+    """Fake timers: [graph] rows take the graph's times (ours and each baseline's), [call] rows
+    and the one plain row the call's."""
+    from kernels.benchmarks import rows
+
+    seen = []
+
+    def graph_ms(fn, argsets):
+        seen.append(len(argsets))
+        return {"ours": 1.0, "base": 3.0}[fn.__name__]
+
+    monkeypatch.setattr(bench, "rotating_graph_ms", graph_ms)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, *args: {"ours": 2.0, "base": 4.0}[fn.__name__])
+
+    def ours(x):
+        return x
+
+    def base(x):
+        return x
+
+    argsets = [(torch.ones(2),), (torch.ones(2),)]
+    kwargs = dict(bytes_moved=8e9, ceilings=H200)
+    both = rows.timed_rows("k", ours, argsets, {"base": base}, graph=True, **kwargs)
+    assert [r["name"] for r in both] == ["k [graph]", "k [call]"] and seen == [2, 2]
+    assert [r["ms"] for r in both] == [1.0, 2.0]
+    assert [r["baselines"] for r in both] == [{"base": 3.0}, {"base": 4.0}]
+    (plain,) = rows.timed_rows("k", ours, argsets, {"base": base}, graph=False, **kwargs)
+    assert plain["name"] == "k" and plain["ms"] == 2.0 and plain["baselines"] == {"base": 4.0}
+    assert plain["rate"] == pytest.approx(4000.0) and seen == [2, 2]  # no graph timed
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU path")
