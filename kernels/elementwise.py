@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from kernels.launch import Launcher, aligned, cdiv, int_class
-from kernels.operators import operator, through_operator
+from kernels.operators import eager_autograd, operator
 from kernels.primitives import gelu_for
-from kernels.validate import check_row_vector, check_same, check_tensor
+from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
 BLOCK_SIZE = 1024
 
@@ -47,18 +47,31 @@ def _add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _add_backward(ctx, grad):
+    return grad, grad  # d(x + y)/dx = d(x + y)/dy = 1
+
+
 add_op = operator(
     "add", _add, fake=lambda x, y: torch.empty_like(x, memory_format=torch.contiguous_format)
 )
-add_op.register_autograd(lambda ctx, grad: (grad, grad))  # d(x + y)/dx = d(x + y)/dy = 1
+add_op.register_autograd(_add_backward)
+# The same implementation and backward as an autograd Function: eager calls that autograd
+# records skip the operator's dispatch (kernels.operators, road 3)
+_add_autograd = eager_autograd(_add, None, _add_backward, differentiable_backward=True)
 
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x + y for two tensors of one shape and dtype (the operator torch.ops.brrr.add)."""
+    """x + y for two tensors of one shape and dtype. The operator torch.ops.brrr.add, which
+    torch.compile calls; an eager call that autograd records runs the same implementation
+    and backward without its dispatch."""
     check_tensor("x", x)
     check_tensor("y", y)
     check_same("x and y", x, y)
-    return add_op(x, y) if through_operator(x, y) else _add(x, y)
+    if torch.compiler.is_compiling():
+        return add_op(x, y)
+    if needs_grad(x, y):
+        return _add_autograd(x, y)
+    return _add(x, y)
 
 
 def add_ref(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -121,15 +134,25 @@ bias_gelu_op = operator(
     fake=lambda x, bias: torch.empty_like(x, memory_format=torch.contiguous_format),
 )
 bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
+# eager calls that autograd records (kernels.operators, road 3), as add's
+_bias_gelu_autograd = eager_autograd(
+    _bias_gelu, _bias_gelu_setup, _bias_gelu_backward, differentiable_backward=True
+)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """GELU(x + bias), bias broadcast over the last dim, computed in fp32: the exact (erf) GELU
     for fp32, its tanh form for fp16/bf16 (primitives.gelu_fast: within their rounding).
-    The operator torch.ops.brrr.bias_gelu; differentiable in x and bias."""
+    Differentiable in x and bias. The operator torch.ops.brrr.bias_gelu, which torch.compile
+    calls; an eager call that autograd records runs the same implementation and backward
+    without its dispatch."""
     check_tensor("x", x, min_ndim=1)
     check_row_vector("bias", bias, x)
-    return bias_gelu_op(x, bias) if through_operator(x, bias) else _bias_gelu(x, bias)
+    if torch.compiler.is_compiling():
+        return bias_gelu_op(x, bias)
+    if needs_grad(x, bias):
+        return _bias_gelu_autograd(x, bias)
+    return _bias_gelu(x, bias)
 
 
 def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,12 @@ What a public function (`kernels.norm.rms_norm`, ...) does, in order:
    error, the message included.
 2. Under `torch.compile` it calls the operator; so does an eager call that autograd must
    record, except for the ops of 3.
-3. rms_norm, layer_norm and add_rms_norm, in an eager call that autograd must record, call
-   `eager_autograd`'s torch.autograd.Function instead: the operator's own implementation,
-   setup_context and backward, with no dispatch in the forward or the backward. torch.library's
-   wrappers around each call (its autograd Function, the redispatch, Dynamo's disable around
-   the implementation) cost about as much host time as the course's own Python in a step.
+3. rms_norm, layer_norm, add_rms_norm, add, bias_gelu, softmax and softmax_streamed, in an
+   eager call that autograd must record, call `eager_autograd`'s torch.autograd.Function
+   instead: the operator's own implementation, setup_context and backward, with no dispatch in
+   the forward or the backward. torch.library's wrappers around each call (its autograd
+   Function, the redispatch, Dynamo's disable around the implementation) cost about as much
+   host time as the course's own Python in a step.
 4. Otherwise (eager, nothing to differentiate) it launches the kernel directly: the operator's
    dispatch costs microseconds of host time that a small input cannot hide (Chapter 1's overhead
    regime; `python -m kernels bench overhead` measures each rung). After a shape's first call
@@ -39,10 +40,12 @@ attention's log-sum-exp) are three operators each:
   torch.ops.brrr.rms_norm(x, w, eps); the public function calls `<name>_forward` directly
   (one dispatch fewer).
 
-The eager road (3) reuses the functions registered on `<name>_forward` (setup_context and
-backward), so there is one autograd formula per op. `backward_operator` registers
-`<name>_backward` and returns what the backward calls: the operator, except inside an
-`eager_autograd` Function's backward, where the implementation itself runs.
+The eager road (3) reuses the functions registered with `register_autograd` (on the simple
+ops' one operator, on the norms' `<name>_forward`), so there is one autograd formula per op.
+`backward_operator` registers `<name>_backward` and returns what the backward calls: the
+operator, except inside an `eager_autograd` Function's backward, where the implementation
+itself runs. A backward of torch ops alone (add, bias_gelu, softmax) is recorded by autograd
+on either road, so a second derivative is the same on both; the norms' is once differentiable.
 
 Why save rather than recompute: the statistics cost 4 bytes a row. A norm's backward kernel
 could recompute rstd from the row it loads anyway, but attention's log-sum-exp would cost a
@@ -117,16 +120,19 @@ def backward_operator(name: str, impl, fake):
     return call
 
 
-def eager_autograd(impl, setup_context, backward):
+def eager_autograd(impl, setup_context, backward, differentiable_backward=False):
     """`impl` (an operator's implementation) as a torch.autograd.Function's apply, for eager
     calls that autograd records; torch.compile calls the operator instead. `setup_context`
-    and `backward` are those registered on the operator, called as torch.library calls them;
-    the backward operators they reach run their implementations. Once differentiable: the
-    backward operators have no backward either."""
+    (None: nothing saved) and `backward` are those registered on the operator, called as
+    torch.library calls them; the backward operators they reach run their implementations.
+    Once differentiable, as the backward operators have no backward either; unless
+    `differentiable_backward`: a backward of torch ops alone, which autograd records under
+    create_graph as it does through the operator (a second derivative)."""
 
     def forward(ctx, *args):
         output = impl(*args)
-        setup_context(ctx, args, output)
+        if setup_context is not None:
+            setup_context(ctx, args, output)
         return output
 
     @once_differentiable
@@ -137,6 +143,8 @@ def eager_autograd(impl, setup_context, backward):
         finally:
             _eager_backward.active = False
 
+    if differentiable_backward:  # it reaches no backward operator: nothing to switch
+        eager_backward = backward
     name = impl.__name__.strip("_")  # the grad_fn of _rms_norm_forward: rms_norm_forwardBackward
     methods = {"forward": staticmethod(forward), "backward": staticmethod(eager_backward)}
     return type(name, (torch.autograd.Function,), methods).apply

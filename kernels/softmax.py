@@ -25,9 +25,9 @@ import triton.language as tl
 
 from kernels import softmax_tuning as tuning
 from kernels.launch import cdiv, launch, next_power_of_2
-from kernels.operators import operator, through_operator
+from kernels.operators import eager_autograd, operator
 from kernels.softmax_tuning import FUSED_MAX_COLS
-from kernels.validate import check_tensor
+from kernels.validate import check_tensor, needs_grad
 
 __all__ = ["FUSED_MAX_COLS", "softmax", "softmax_path", "softmax_ref", "softmax_streamed"]
 
@@ -199,25 +199,42 @@ softmax_op = operator("softmax", _softmax, fake=_like_x)
 softmax_op.register_autograd(_softmax_backward, setup_context=_save_output)
 softmax_streamed_op = operator("softmax_streamed", _softmax_streamed, fake=_like_x)
 softmax_streamed_op.register_autograd(_softmax_backward, setup_context=_save_output)
+# The same implementations and backward as autograd Functions: eager calls that autograd
+# records skip the operators' dispatch (kernels.operators, road 3)
+_softmax_autograd = eager_autograd(
+    _softmax, _save_output, _softmax_backward, differentiable_backward=True
+)
+_softmax_streamed_autograd = eager_autograd(
+    _softmax_streamed, _save_output, _softmax_backward, differentiable_backward=True
+)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim of `x` (any leading dims), computed in fp32, returned in
     x's dtype. Rows up to FUSED_MAX_COLS are read once; longer rows are read twice, streamed
     row by row or, when there are too few rows to fill the GPU, several programs per row
-    (kernels.softmax_tuning). The operator torch.ops.brrr.softmax; differentiable."""
+    (kernels.softmax_tuning). Differentiable. The operator torch.ops.brrr.softmax, which
+    torch.compile calls; an eager call that autograd records runs the same implementation
+    and backward without its dispatch."""
     check_tensor("x", x, min_ndim=1)
-    return softmax_op(x) if through_operator(x) else _softmax(x)
+    if torch.compiler.is_compiling():
+        return softmax_op(x)
+    if needs_grad(x):
+        return _softmax_autograd(x)
+    return _softmax(x)
 
 
 def softmax_streamed(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """The streamed (online-softmax) kernel at any row length, `block` columns per step
-    (a power of two; default min(STREAM_BLOCK, next_power_of_2(n_cols))); differentiable."""
+    (a power of two; default min(STREAM_BLOCK, next_power_of_2(n_cols))); differentiable.
+    The operator torch.ops.brrr.softmax_streamed, called and bypassed as softmax's is."""
     check_tensor("x", x, min_ndim=1)
     if block is not None and (not isinstance(block, int) or block < 1 or block & (block - 1)):
         raise ValueError(f"block must be a power of two, got {block!r}")
-    if through_operator(x):
+    if torch.compiler.is_compiling():
         return softmax_streamed_op(x, block)
+    if needs_grad(x):
+        return _softmax_streamed_autograd(x, block)
     return _softmax_streamed(x, block)
 
 

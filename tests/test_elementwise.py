@@ -3,8 +3,15 @@ import torch
 import triton
 import triton.language as tl
 from params import DTYPES
+from test_norm import (
+    _check_compiled_keeps_to_the_operators,
+    _check_no_operator_dispatched,
+    _check_the_operators_bits,
+    _outputs_and_grads,
+    _second_derivatives,
+)
 
-from kernels import check
+from kernels import check, elementwise
 from kernels.elementwise import BLOCK_SIZE, add, add_ref, bias_gelu, bias_gelu_ref
 from kernels.primitives import gelu_fast
 from kernels.runtime import DEVICE, ON_GPU
@@ -129,3 +136,63 @@ def test_tolerance_units_and_every_value():
     assert check.every_value(torch.float16).unique().numel() == 63488 - 1  # +0 and -0 equal
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         check.every_value(torch.float32)
+
+
+# --- eager autograd without the operator (kernels.operators, road 3) ----------------------
+# (public function, its operator, the shapes of its inputs from x's, fp64 reference)
+ROADS = {
+    "add": (add, elementwise.add_op, lambda shape: [shape, shape], add_ref),
+    "bias_gelu": (
+        bias_gelu,
+        elementwise.bias_gelu_op,
+        lambda shape: [shape, shape[-1:]],
+        lambda x, bias: torch.nn.functional.gelu(x + bias),  # bias_gelu_ref computes in fp32
+    ),
+}
+
+
+def _road_inputs(op, shape, seed=70):
+    return [check.random_tensor(s, seed=seed + i, scale=2.0)
+            for i, s in enumerate(ROADS[op][2](shape))]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(37, 300), (2, 5, 129)], ids=str)
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_has_the_operators_bits(op, shape):
+    public, operator, _, reference = ROADS[op]
+    inputs = _road_inputs(op, shape)
+    names = ["out", "dx", "dy" if op == "add" else "dbias"]
+    _, grads = _check_the_operators_bits(public, operator, inputs, [f"{op} {n}" for n in names])
+    _, ref_grads = _outputs_and_grads(reference, [t.double() for t in inputs])
+    for name, got, expected in zip(names[1:], grads, ref_grads, strict=True):
+        result = check.compare(got, expected, op="reduction", dtype=torch.float32)
+        assert result.ok, f"{op} {name}: {result.message}"
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_dispatches_no_operator(op):
+    public, operator, _, _ = ROADS[op]
+    _check_no_operator_dispatched(
+        public, operator, _road_inputs(op, (5, 33)), {f"brrr.{op}.default"}
+    )
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_compiled_forward_and_backward_keep_to_the_operators(op):
+    # the backward is torch ops (no operator of its own), traced into the backward graph
+    inputs = _road_inputs(op, (5, 33))
+    _check_compiled_keeps_to_the_operators(ROADS[op][0], inputs, {f"brrr.{op}.default"}, set())
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_is_twice_differentiable_like_the_operator(op):
+    # a backward of torch ops: autograd records it on both roads, so a second derivative exists
+    public, operator, _, reference = ROADS[op]
+    inputs = _road_inputs(op, (3, 40))
+    eager, through_operator = (_second_derivatives(fn, inputs) for fn in (public, operator))
+    expected = _second_derivatives(reference, [t.double() for t in inputs])
+    for got, other, ref in zip(eager, through_operator, expected, strict=True):
+        assert (got is None) == (other is None) == (ref is None)
+        if got is not None:
+            assert torch.equal(got, other)
+            check.assert_close(got, ref, op="reduction")

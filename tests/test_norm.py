@@ -350,41 +350,36 @@ def _road_inputs(op, shape, step=1, seed=70):
     return rows, vectors, step
 
 
-def _outputs_and_grads(fn, rows, vectors, step, seed=80):
-    """fn's outputs and the gradients of <outputs, random dys> for every input (each vector's
-    whole length)."""
-    leaves = [t.detach().clone().requires_grad_() for t in rows + vectors]
-    out = fn(*leaves[: len(rows)], *[v[::step] for v in leaves[len(rows) :]])
+def _strided(fn, n_rows, step):
+    """fn with every step-th element of each vector (the arguments after the first n_rows)."""
+    return lambda *t: fn(*t[:n_rows], *(v[::step] for v in t[n_rows:]))
+
+
+# What the eager road's tests check of any op (here and in test_elementwise, test_softmax):
+# `public` the public function, `operator` its operator called directly, `inputs` tensors.
+
+
+def _outputs_and_grads(fn, inputs, seed=80):
+    """fn's outputs (a tuple), on leaves with the values of `inputs`, and the gradients of
+    <outputs, random dys> for every input."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
     outs = out if isinstance(out, tuple) else (out,)
     dys = [check.random_tensor(o.shape, o.dtype, seed=seed + i) for i, o in enumerate(outs)]
     return outs, torch.autograd.grad(outs, leaves, dys)
 
 
-def _check_eager_autograd_against_the_operator(op, shape, step=1):
-    """The public function's outputs and gradients (eager: the autograd Function) have the bits
-    of its operator's, called directly, and match the fp64 reference's."""
-    public, operator, reference, _ = ROADS[op]
-    rows, vectors, step = _road_inputs(op, shape, step)
-    outs, grads = _outputs_and_grads(public, rows, vectors, step)
-    op_outs, op_grads = _outputs_and_grads(operator, rows, vectors, step)
+def _check_the_operators_bits(public, operator, inputs, names):
+    """The public function's outputs and gradients (eager: an autograd Function of its own) have
+    the bits of its operator's, called directly; returns them (`names`: theirs, in order)."""
+    outs, grads = _outputs_and_grads(public, inputs)
+    op_outs, op_grads = _outputs_and_grads(operator, inputs)
     # two roads, not one taken twice: only the operator's autograd node is torch.library's
     assert "brrr" not in type(outs[0].grad_fn).__name__
     assert "brrr" in type(op_outs[0].grad_fn).__name__
-    names = ["y", "h"][: len(outs)] + ["dx", "dresidual"][: len(rows)] + ["dw", "db"]
-    for name, got, expected in zip(names, outs + grads, op_outs + op_grads, strict=False):
-        assert torch.equal(got, expected), f"{op} {name} differs from the operator's"
-    wide = [t.double() for t in rows], [v.double() for v in vectors]
-    _, ref_grads = _outputs_and_grads(reference, *wide, step)
-    for name, got, expected in zip(names[len(outs) :], grads, ref_grads, strict=False):
-        result = check.compare(got, expected, op="reduction", dtype=torch.float32)
-        assert result.ok, f"{op} {name}: {result.message}"
-
-
-@pytest.mark.parametrize("weight", ["dense", "strided"])
-@pytest.mark.parametrize("shape", [(37, 300), (2, 5, 129)], ids=str)
-@pytest.mark.parametrize("op", ROADS)
-def test_eager_autograd_has_the_operators_bits(op, shape, weight):
-    _check_eager_autograd_against_the_operator(op, shape, step=2 if weight == "strided" else 1)
+    for name, got, expected in zip(names, outs + grads, op_outs + op_grads, strict=True):
+        assert torch.equal(got, expected), f"{name} differs from the operator's"
+    return outs, grads
 
 
 class _OperatorsSeen(TorchDispatchMode):
@@ -400,44 +395,94 @@ class _OperatorsSeen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("op", ROADS)
-def test_eager_autograd_dispatches_no_operator(op):
-    public, operator, _, _ = ROADS[op]
-    inputs = _road_inputs(op, (5, 33))
+def _check_no_operator_dispatched(public, operator, inputs, dispatched):
+    """Eager, forward and backward, the public function dispatches none of the course's
+    operators; its operator, called directly, dispatches `dispatched` (what the mode sees)."""
     with _OperatorsSeen() as eager:
-        _outputs_and_grads(public, *inputs)
-    with _OperatorsSeen() as through_operator:  # what the mode sees when they are dispatched
-        _outputs_and_grads(operator, *inputs)
+        _outputs_and_grads(public, inputs)
+    with _OperatorsSeen() as through_operator:
+        _outputs_and_grads(operator, inputs)
     assert eager.names == set()
-    assert through_operator.names == {f"brrr.{op}_forward.default",
-                                      f"brrr.{BACKWARD_OPERATOR[op]}.default"}  # fmt: skip
+    assert through_operator.names == dispatched
 
 
-@pytest.mark.parametrize("op", ROADS)
-def test_compiled_forward_and_backward_keep_to_the_operators(op):
+def _operators_called(graphs):
+    return {str(n.target) for g in graphs for n in g.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("brrr.")}  # fmt: skip
+
+
+def _check_compiled_keeps_to_the_operators(public, inputs, forward, backward):
+    """torch.compile(public, fullgraph=True) records a forward graph that calls the course's
+    operators `forward` and a backward graph that calls `backward` (exactly those), and gets
+    eager's bits, outputs and gradients."""
     torch._dynamo.reset()
     recorded = torch._dynamo.testing.AotEagerAndRecordGraphs()
-    public = ROADS[op][0]
-    inputs = _road_inputs(op, (5, 33))
     compiled = torch.compile(public, backend=recorded, fullgraph=True)
-    outs, grads = _outputs_and_grads(compiled, *inputs)
-
-    def called(graphs):
-        return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
-
-    assert f"brrr.{op}_forward.default" in called(recorded.fw_graphs)
-    assert f"brrr.{BACKWARD_OPERATOR[op]}.default" in called(recorded.bw_graphs)
-    eager_outs, eager_grads = _outputs_and_grads(public, *inputs)
+    outs, grads = _outputs_and_grads(compiled, inputs)
+    assert len(recorded.fw_graphs) == len(recorded.bw_graphs) == 1
+    assert _operators_called(recorded.fw_graphs) == forward
+    assert _operators_called(recorded.bw_graphs) == backward
+    eager_outs, eager_grads = _outputs_and_grads(public, inputs)
     for got, expected in zip(outs + grads, eager_outs + eager_grads, strict=True):
         assert torch.equal(got, expected)
 
 
+def _second_derivatives(fn, inputs, seed=90):
+    """The gradients of |first gradients|^2 (taken with create_graph) for every input and
+    every dy; None where there is none. backward(), not autograd.grad(): a once-differentiable
+    backward's error sits on a branch that leads to none of them, and backward() walks it."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    dys = [check.random_tensor(o.shape, o.dtype, seed=seed + i).requires_grad_()
+           for i, o in enumerate(outs)]  # fmt: skip
+    grads = torch.autograd.grad(outs, leaves, dys, create_graph=True)
+    sum((g * g).sum() for g in grads).backward()
+    return [t.grad for t in leaves + dys]
+
+
+def _check_eager_autograd_against_the_operator(op, shape, step=1):
+    """The public function's outputs and gradients (eager: the autograd Function) have the bits
+    of its operator's, called directly, and match the fp64 reference's."""
+    public, operator, reference, n_rows = ROADS[op]
+    rows, vectors, step = _road_inputs(op, shape, step)
+    grad_names = ["dx", "dresidual"][:n_rows] + ["dw", "db"][: len(vectors)]
+    names = [f"{op} {name}" for name in ["y", "h"][:n_rows] + grad_names]
+    _, grads = _check_the_operators_bits(
+        _strided(public, n_rows, step), _strided(operator, n_rows, step), rows + vectors, names
+    )
+    wide = [t.double() for t in rows + vectors]
+    _, ref_grads = _outputs_and_grads(_strided(reference, n_rows, step), wide)
+    for name, got, expected in zip(grad_names, grads, ref_grads, strict=True):
+        result = check.compare(got, expected, op="reduction", dtype=torch.float32)
+        assert result.ok, f"{op} {name}: {result.message}"
+
+
+@pytest.mark.parametrize("weight", ["dense", "strided"])
+@pytest.mark.parametrize("shape", [(37, 300), (2, 5, 129)], ids=str)
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_has_the_operators_bits(op, shape, weight):
+    _check_eager_autograd_against_the_operator(op, shape, step=2 if weight == "strided" else 1)
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_dispatches_no_operator(op):
+    public, operator, _, _ = ROADS[op]
+    rows, vectors, _ = _road_inputs(op, (5, 33))
+    dispatched = {f"brrr.{op}_forward.default", f"brrr.{BACKWARD_OPERATOR[op]}.default"}
+    _check_no_operator_dispatched(public, operator, rows + vectors, dispatched)
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_compiled_forward_and_backward_keep_to_the_operators(op):
+    rows, vectors, _ = _road_inputs(op, (5, 33))
+    forward, backward = f"brrr.{op}_forward.default", f"brrr.{BACKWARD_OPERATOR[op]}.default"
+    _check_compiled_keeps_to_the_operators(ROADS[op][0], rows + vectors, {forward}, {backward})
+
+
 def test_eager_autograd_is_once_differentiable():
     # the operators have no second derivative: neither has the Function (an error, not dh alone)
-    x, residual, w = (t.requires_grad_() for t in _add_inputs((3, 16), torch.float32, seed=90))
+    inputs = _add_inputs((3, 16), torch.float32, seed=90)
     for fn in ROADS["add_rms_norm"][:2]:
-        y, h = fn(x, residual, w)
-        dy, dh = (torch.ones_like(t, requires_grad=True) for t in (y, h))
-        dx, _, _ = torch.autograd.grad((y, h), (x, residual, w), (dy, dh), create_graph=True)
         with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
-            dx.sum().backward()
+            _second_derivatives(fn, inputs)

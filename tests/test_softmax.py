@@ -1,6 +1,13 @@
 import pytest
 import torch
 from params import DTYPES
+from test_norm import (
+    _check_compiled_keeps_to_the_operators,
+    _check_no_operator_dispatched,
+    _check_the_operators_bits,
+    _outputs_and_grads,
+    _second_derivatives,
+)
 
 from kernels import check
 from kernels import softmax as softmax_module
@@ -232,3 +239,48 @@ def test_offsets_past_2_to_the_31():
 def test_the_chosen_path_at_the_benchmarks_row_lengths(shape, dtype):
     x = torch.randn(shape, device="cuda", dtype=dtype) * 4
     check.assert_close(softmax(x), softmax_ref(x.double()), op="reduction")
+
+
+# --- eager autograd without the operators (kernels.operators, road 3) ---------------------
+# (public function, its operator called directly for the same output)
+ROADS = {
+    "softmax": (softmax, softmax_module.softmax_op),
+    "softmax_streamed": (
+        lambda x: softmax_streamed(x, block=32),
+        lambda x: softmax_module.softmax_streamed_op(x, 32),
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", [(37, 300), (2, 5, 129)], ids=str)
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_has_the_operators_bits(op, shape):
+    public, operator = ROADS[op]
+    x = check.random_tensor(shape, seed=16, scale=3.0)
+    _, (dx,) = _check_the_operators_bits(public, operator, [x], [f"{op} y", f"{op} dx"])
+    _, (dx64,) = _outputs_and_grads(softmax_ref, [x.double()])
+    check.assert_close(dx, dx64, op="reduction")
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_dispatches_no_operator(op):
+    x = check.random_tensor((5, 33), seed=17)
+    _check_no_operator_dispatched(*ROADS[op], [x], {f"brrr.{op}.default"})
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_compiled_forward_and_backward_keep_to_the_operators(op):
+    # the backward is torch ops (no operator of its own), traced into the backward graph
+    x = check.random_tensor((5, 33), seed=18)
+    _check_compiled_keeps_to_the_operators(ROADS[op][0], [x], {f"brrr.{op}.default"}, set())
+
+
+@pytest.mark.parametrize("op", ROADS)
+def test_eager_autograd_is_twice_differentiable_like_the_operator(op):
+    # the backward reads the saved output: its second derivative goes back through softmax
+    x = check.random_tensor((3, 40), seed=19, scale=3.0)
+    eager, through_operator = (_second_derivatives(fn, [x]) for fn in ROADS[op])
+    expected = _second_derivatives(softmax_ref, [x.double()])
+    for got, other, ref in zip(eager, through_operator, expected, strict=True):
+        assert torch.equal(got, other)
+        check.assert_close(got, ref, op="reduction")
