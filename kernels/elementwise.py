@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import Launcher, aligned, cdiv, int_class
-from kernels.operators import eager_autograd, operator
+from kernels.operators import operator, register_autograd
 from kernels.primitives import gelu_for
 from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
@@ -54,10 +54,9 @@ def _add_backward(ctx, grad):
 add_op = operator(
     "add", _add, fake=lambda x, y: torch.empty_like(x, memory_format=torch.contiguous_format)
 )
-add_op.register_autograd(_add_backward)
-# The same implementation and backward as an autograd Function: eager calls that autograd
-# records skip the operator's dispatch (kernels.operators, road 3)
-_add_autograd = eager_autograd(_add, None, _add_backward, differentiable_backward=True)
+# the backward on the operator, and the same as an autograd Function: eager calls that
+# autograd records skip the operator's dispatch (kernels.operators, road 3)
+_add_autograd = register_autograd(add_op, _add, _add_backward, differentiable_backward=True)
 
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -133,10 +132,8 @@ bias_gelu_op = operator(
     _bias_gelu,
     fake=lambda x, bias: torch.empty_like(x, memory_format=torch.contiguous_format),
 )
-bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
-# eager calls that autograd records (kernels.operators, road 3), as add's
-_bias_gelu_autograd = eager_autograd(
-    _bias_gelu, _bias_gelu_setup, _bias_gelu_backward, differentiable_backward=True
+_bias_gelu_autograd = register_autograd(  # both roads, as add's
+    bias_gelu_op, _bias_gelu, _bias_gelu_backward, _bias_gelu_setup, differentiable_backward=True
 )
 
 

@@ -23,7 +23,7 @@ from kernels.launch import Launcher, aligned, int_class, next_power_of_2
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
-from kernels.operators import eager_autograd, one_output, operator
+from kernels.operators import one_output, operator, register_autograd
 from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
 # Rows up to MAX_COLS are kept whole in registers (the kernels below); longer rows take
@@ -225,19 +225,21 @@ def _add_rms_norm_grads(ctx, dy, dh, _drstd):
     return dx, dx, dw, None
 
 
-rms_norm_forward.register_autograd(_rms_norm_grads, setup_context=_save_stats)
-layer_norm_forward.register_autograd(_layer_norm_grads, setup_context=_save_stats)
-add_rms_norm_forward.register_autograd(_add_rms_norm_grads, setup_context=_add_rms_norm_setup)
+# The backward on each <name>_forward operator, and the same implementation, setup and backward
+# as autograd Functions: eager calls that autograd records skip the operators' dispatch
+# (kernels.operators, road 3)
+_rms_norm_autograd = register_autograd(
+    rms_norm_forward, _rms_norm_forward, _rms_norm_grads, _save_stats
+)
+_layer_norm_autograd = register_autograd(
+    layer_norm_forward, _layer_norm_forward, _layer_norm_grads, _save_stats
+)
+_add_rms_norm_autograd = register_autograd(
+    add_rms_norm_forward, _add_rms_norm_forward, _add_rms_norm_grads, _add_rms_norm_setup
+)
 one_output("rms_norm", rms_norm_forward)
 one_output("layer_norm", layer_norm_forward)
 one_output("add_rms_norm", add_rms_norm_forward, n_outputs=2)
-# The same implementations, setup and backward, as autograd Functions: eager calls that
-# autograd records skip the operators' dispatch (kernels.operators, road 3)
-_rms_norm_autograd = eager_autograd(_rms_norm_forward, _save_stats, _rms_norm_grads)
-_layer_norm_autograd = eager_autograd(_layer_norm_forward, _save_stats, _layer_norm_grads)
-_add_rms_norm_autograd = eager_autograd(
-    _add_rms_norm_forward, _add_rms_norm_setup, _add_rms_norm_grads
-)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

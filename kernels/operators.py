@@ -40,8 +40,9 @@ attention's log-sum-exp) are three operators each:
   torch.ops.brrr.rms_norm(x, w, eps); the public function calls `<name>_forward` directly
   (one dispatch fewer).
 
-The eager road (3) reuses the functions registered with `register_autograd` (on the simple
-ops' one operator, on the norms' `<name>_forward`), so there is one autograd formula per op.
+The eager road (3) reuses the functions registered on the operator (on the simple ops' one
+operator, on the norms' `<name>_forward`): `register_autograd` registers them and builds the
+eager Function in one call, so there is one autograd formula per op.
 `backward_operator` registers `<name>_backward` and returns what the backward calls: the
 operator, except inside an `eager_autograd` Function's backward, where the implementation
 itself runs. A backward of torch ops alone (add, bias_gelu, softmax) is recorded by autograd
@@ -118,6 +119,14 @@ def backward_operator(name: str, impl, fake):
         return impl(*args) if getattr(_eager_backward, "active", False) else op(*args)
 
     return call
+
+
+def register_autograd(op, impl, backward, setup_context=None, differentiable_backward=False):
+    """Register `backward` (and `setup_context`) on the operator `op`, whose implementation is
+    `impl`, and return the same formula as eager_autograd's Function for the eager road (3):
+    one call, so that the two roads cannot be given different formulas."""
+    op.register_autograd(backward, setup_context=setup_context)
+    return eager_autograd(impl, setup_context, backward, differentiable_backward)
 
 
 def eager_autograd(impl, setup_context, backward, differentiable_backward=False):

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels import softmax_tuning as tuning
 from kernels.launch import cdiv, launch, next_power_of_2
-from kernels.operators import eager_autograd, operator
+from kernels.operators import operator, register_autograd
 from kernels.softmax_tuning import FUSED_MAX_COLS
 from kernels.validate import check_tensor, needs_grad
 
@@ -196,16 +196,18 @@ def _like_x(x, *_):
 
 
 softmax_op = operator("softmax", _softmax, fake=_like_x)
-softmax_op.register_autograd(_softmax_backward, setup_context=_save_output)
 softmax_streamed_op = operator("softmax_streamed", _softmax_streamed, fake=_like_x)
-softmax_streamed_op.register_autograd(_softmax_backward, setup_context=_save_output)
-# The same implementations and backward as autograd Functions: eager calls that autograd
+# the backward on each operator, and the same as autograd Functions: eager calls that autograd
 # records skip the operators' dispatch (kernels.operators, road 3)
-_softmax_autograd = eager_autograd(
-    _softmax, _save_output, _softmax_backward, differentiable_backward=True
+_softmax_autograd = register_autograd(
+    softmax_op, _softmax, _softmax_backward, _save_output, differentiable_backward=True
 )
-_softmax_streamed_autograd = eager_autograd(
-    _softmax_streamed, _save_output, _softmax_backward, differentiable_backward=True
+_softmax_streamed_autograd = register_autograd(
+    softmax_streamed_op,
+    _softmax_streamed,
+    _softmax_backward,
+    _save_output,
+    differentiable_backward=True,
 )
 
 
