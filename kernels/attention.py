@@ -139,8 +139,8 @@ def attention_forward(q, k, v, causal: bool, sm_scale: float, config=None):
     q, k, v = (with_32bit_head_offsets(t) for t in (q, k, v))
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    o = q.new_empty((B, H, Sq, D))
+    lse = q.new_empty((B, H, Sq), dtype=torch.float32)
     if o.numel() == 0:
         return o, lse
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, H // k.shape[1], Sq, Sk,

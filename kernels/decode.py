@@ -119,7 +119,7 @@ def rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_hea
     check_rotary_kv_inputs(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
     B, S, _ = qkv.shape
     hd = k_cache.shape[-1]
-    q = torch.empty((B, n_heads, S, hd), dtype=qkv.dtype, device=qkv.device)
+    q = qkv.new_empty((B, n_heads, S, hd))
     if B * S == 0:
         return q
     grid = (B * S, n_heads + 2 * n_kv_heads)

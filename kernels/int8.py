@@ -40,7 +40,9 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     scale = torch.zeros(n, dtype=torch.float32, device=weight.device)
     if k:
-        scale = weight.abs().amax(dim=1).float() / QMAX  # (N,), exact up to the division
+        # (N,): the quotient in fp64, then rounded once to fp32 (on a GPU, fp32 `/ 127` runs
+        # as a product with 1/127, which can land an ulp off the correctly rounded quotient)
+        scale = (weight.abs().amax(dim=1).double() / QMAX).float()
     step = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
     q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
     for start in range(0, n, QUANTIZE_ROWS):

@@ -102,18 +102,24 @@ def _matmul(a, b, bias, activation, kernel):
     alignment, dtype, flags) finds everything decided in _calls and only allocates and
     launches; the first plans, and on a GPU autotunes."""
     bias = None if bias is None else bias.contiguous()  # read as dense: a strided one is copied
-    precision = a.dtype == torch.float32 and torch.get_float32_matmul_precision()
-    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, aligned(a), aligned(b), precision,
-           kernel, bias is not None and aligned(bias), bias is None, activation)  # fmt: skip
+    key = call_key(a, b, bias, activation, kernel)
     call = _calls.get(key)
     if call is None:
         return _first_call(key, a, b, bias, activation, kernel)
     (M, K), N = a.shape, b.shape[1]
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    c = a.new_empty((M, N))  # a's dtype and device, for less host time than torch.empty's
     meta, grid = call
     _launch_matmul(key, grid, a, b, c, c if bias is None else bias, M, N, K,
                    *a.stride(), *b.stride(), N, 1, **meta)  # fmt: skip
     return c
+
+
+def call_key(a, b, bias, activation, kernel) -> tuple:
+    """_calls' key, and the pointer kernel's launch key (kernels.launch): everything plan()
+    and the kernel's specialization read (c is a fresh allocation, so aligned)."""
+    precision = a.dtype == torch.float32 and torch.get_float32_matmul_precision()
+    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, aligned(a), aligned(b), precision,
+            kernel, bias is not None and aligned(bias), bias is None, activation)  # fmt: skip
 
 
 # What each call seen so far needs (its plan's kernel flags and the chosen config, with the

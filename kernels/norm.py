@@ -106,23 +106,20 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
     # the kernels read weight and bias as dense vectors: a strided one (w[::2]) is copied
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = _like(x)  # empty_like costs the host less than torch.empty(shape, dtype, device)
     h = None if residual is None else torch.empty_like(y)
     mean = rstd = None
     if save_stats or long_rows:  # the long-row kernels always write them
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rstd = x.new_empty(n_rows, dtype=torch.float32)
         mean = None if bias is None else torch.empty_like(rstd)  # RMSNorm has no mean
     if x.numel() == 0:
         return y, x2, mean, rstd, h
-    y2 = y.view(n_rows, n_cols)
+    y2 = y if y.dim() == 2 else y.view(n_rows, n_cols)
     if long_rows:
         norm_long.forward(x2, weight, bias, eps, y2, mean, rstd)
         return y, x2, mean, rstd, h
     block = next_power_of_2(n_cols)
-    # The launch's key (kernels.launch): what Triton specializes on. y, h and the statistics
-    # are fresh allocations (aligned), eps a float; BLOCK, num_warps follow from n_cols.
-    key = (x.dtype, block, int_class(n_cols), int_class(x2.stride(0)), aligned(x2),
-           aligned(weight), save_stats)  # fmt: skip
+    key = forward_key(x2, weight, block, save_stats)
     meta = dict(BLOCK=block, SAVE_STATS=save_stats, num_warps=num_warps(block, 32))
     if bias is None:
         r2 = x2 if residual is None else as_rows(residual)  # x2 stands in, never read
@@ -141,6 +138,15 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
             x2, weight, bias, y2, mean2, rstd2, n_cols, x2.stride(0), n_cols, eps, **meta,
         )  # fmt: skip
     return y, x2, mean, rstd, h
+
+
+def forward_key(x2, weight, block, save_stats) -> tuple:
+    """The forward kernels' launch key (kernels.launch) for rows x2: what Triton specializes
+    on. y, h and the statistics are fresh allocations (aligned), eps a float; BLOCK and
+    num_warps follow from the row length."""
+    n_cols = x2.shape[1]
+    return (x2.dtype, block, int_class(n_cols), int_class(x2.stride(0)), aligned(x2),
+            aligned(weight), save_stats)  # fmt: skip
 
 
 _launch_rms_norm = Launcher(rms_norm_fwd_kernel)

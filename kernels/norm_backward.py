@@ -88,7 +88,7 @@ def sum_partials_kernel(
 def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
     n_rows, n_cols = x2.shape
     weight = weight.contiguous()  # read as a dense vector: a strided one (w[::2]) is copied
-    dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
+    dx = x2.new_empty((n_rows, n_cols))
     dw = torch.zeros_like(weight)  # zeros: a sum over no rows
     db = torch.zeros_like(weight) if layer_norm else None
     if dx.numel() == 0:
@@ -104,7 +104,7 @@ def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
             grid, sizes = (cdiv(n_cols, 128),), dict(BLOCK_P=32, BLOCK_N=128)
             launch(sum_partials_kernel, grid, part, out, n_programs, n_cols, **sizes)
         return dx, dw, db
-    dw_part = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
+    dw_part = x2.new_empty((n_programs, n_cols), dtype=torch.float32)
     db_part = torch.empty_like(dw_part) if layer_norm else dw_part  # unused by RMSNorm
     block = next_power_of_2(n_cols)
     launch(

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kernels import softmax_tuning as tuning
 from kernels.launch import cdiv, launch, next_power_of_2
+from kernels.norm_tuning import as_rows
 from kernels.operators import operator, register_autograd
 from kernels.softmax_tuning import FUSED_MAX_COLS
 from kernels.validate import check_tensor, needs_grad
@@ -131,15 +132,9 @@ def softmax_split_kernel(
     normalize(x_row, out_ptr + row * out_row_stride, start, end, m, 1.0 / s, BLOCK)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, n_cols) with unit column stride: a view when strides allow, else a copy."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def _launch(x: torch.Tensor, how: tuning.Plan) -> torch.Tensor:
-    x2, out = _rows(x), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out2 = out.view(-1, x.shape[-1])
+    x2, out = as_rows(x), torch.empty_like(x, memory_format=torch.contiguous_format)
+    out2 = out if out.dim() == 2 else out.view(-1, x.shape[-1])
     n_rows, n_cols = x2.shape
     strides = (x2.stride(0), out2.stride(0))
     if how.path in ("rows", "row"):

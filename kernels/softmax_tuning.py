@@ -19,9 +19,12 @@ Four paths, by row length and row count (n = n_cols, e = bytes per element):
   blocks of STREAM_BLOCK (pass 1), then the row again (pass 2): also 3 units, but the second
   read of a row is often served from L2 while other rows are in flight.
 
-NOT YET MEASURED ON A GPU: every threshold below except FUSED_MAX_COLS and the warp rule was
-chosen on a CPU, where the interpreter's timings mean nothing; they are guesses for an H200,
-to be set from `python -m kernels bench shapes` (the softmax rows at every row length).
+Measured on an H200 (`python -m kernels bench shapes`, its "softmax sweep" rows of 2^25
+elements, 2026-12-03): FUSED_MAX_COLS, the warp rule and SHORT_MAX_COLS. At 1024 and 2048
+columns "row" beat "rows" (bf16 0.0372 ms against 0.0417 and 0.0419; fp32 0.0369 against 0.0375,
+0.0377 against 0.0420), so "rows" keeps only rows shorter than the sweep measured. The other
+thresholds were chosen on a CPU, where the interpreter's timings mean nothing: guesses for an
+H200, to be set from the same sweep.
 """
 
 from dataclasses import dataclass
@@ -33,8 +36,8 @@ PATHS = ("rows", "row", "split", "streamed")
 
 FUSED_MAX_COLS = 32768  # longest row kept whole in registers (fp32: 32 values per thread)
 STREAM_BLOCK = 8192  # columns per step of the streamed and split kernels
+SHORT_MAX_COLS = 512  # rows up to this long share a program with other rows
 # Not yet measured on a GPU (guesses, see the module docstring):
-SHORT_MAX_COLS = 2048  # rows up to this long share a program with other rows
 TILE_ELEMENTS = 8192  # values one program of the "rows" path loads (rows x padded row)
 SPLIT_BELOW_ROWS_PER_SM = 4  # long rows, fewer rows than this per SM: split each row
 SPLIT_PROGRAMS_PER_SM = 4  # the split path aims at this many programs per SM

@@ -209,10 +209,10 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
     gate then up, and the product is silu(gate) * up @ b."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     tile = plan.tile
-    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    out = a.new_empty((M, N))
     parts = out  # stands in when there is one piece
     if plan.splits > 1:
-        parts = torch.empty((plan.splits, M, N), dtype=torch.float32, device=a.device)
+        parts = a.new_empty((plan.splits, M, N), dtype=torch.float32)
     flags = dict(
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACTIVATION=activation or "none"
     )

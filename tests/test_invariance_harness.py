@@ -22,7 +22,7 @@ from kernels.batch_invariant.harness import (
 )
 from kernels.batch_invariant.split_kv_attention import CONFIG as ATTENTION_CONFIG
 from kernels.llm.ops import sdpa_attention
-from kernels.runtime import DEVICE, ON_GPU
+from kernels.runtime import DEVICE, ON_GPU, pick
 
 # where the split-KV kernel cuts the keys: the harness tries KV lengths on both sides of each cut
 SPLITS = dict(split_size=ATTENTION_CONFIG["SPLIT_SIZE"], block=ATTENTION_CONFIG["BLOCK_N"])
@@ -62,7 +62,9 @@ def test_harness_passes_an_invariant_op_and_reports_what_varies():
     assert report.max_abs_diff > 0 and report.max_ulp > 0
     assert "NOT invariant" in str(report)
     # a row's position leaks in: the sweep cannot see it, the needles can
-    report = check_batch_invariance(lambda t: t + 1e-3 * torch.arange(len(t))[:, None], x)
+    report = check_batch_invariance(
+        lambda t: t + 1e-3 * torch.arange(len(t), device=t.device)[:, None], x
+    )
     assert not report.ok and report.first_bad_batch is None and "random batch" in report.first_bad
     # run-to-run noise: caught by the repeats
     report = check_batch_invariance(lambda t: t + 1e-3 * torch.rand_like(t), x, needles=0)
@@ -113,8 +115,10 @@ def test_torch_attention_fails_the_attention_harness_on_this_cpu():
 
 
 def test_split_k_matmul_is_batch_variant_where_its_split_changes():
-    """The negative control that fails everywhere, the CPU interpreter included."""
-    bmax, K, N = 40, 512, 64
+    """The negative control that fails everywhere, the CPU interpreter included. The shape
+    is one where the split changes with the batch under each mode's tile config and processor
+    count (16 on the CPU; on a GPU of 132 SMs, at 65 and 129 rows)."""
+    bmax, K, N = pick(cpu=(40, 512, 64), gpu=(160, 1024, 2048))
     x = _rows(bmax, K, seed=10)
     b = _rows(K, N, seed=11)
     assert split_k_for(1, N, K) != split_k_for(bmax, N, K)

@@ -8,6 +8,7 @@ import torch
 from kernels import int8
 from kernels.llm import load_model, quant, speed
 from kernels.llm.config import get_config
+from kernels.runtime import DEVICE
 
 CPU = torch.device("cpu")
 
@@ -15,6 +16,12 @@ CPU = torch.device("cpu")
 @pytest.fixture()
 def tiny():
     return load_model("tiny", device=CPU)
+
+
+@pytest.fixture()
+def tiny_here():
+    """On the kernels' device: quantize_int8 and the kernels backend run the course's kernels."""
+    return load_model("tiny", device=DEVICE)
 
 
 @pytest.mark.parametrize("name", ["tiny", "smollm2-135m", "llama-1b-shape"])
@@ -38,11 +45,11 @@ def test_smollm2_bytes_by_hand():
     assert speed.step_flops("smollm2-135m", 512, 4) == flops
 
 
-def test_int8_bytes_equal_the_quantized_models_tensors(tiny):
+def test_int8_bytes_equal_the_quantized_models_tensors(tiny_here):
     float_bytes = speed.weight_bytes("tiny", 4)
-    assert quant.weight_bytes(tiny) == float_bytes - 0  # the untied lookup is not read
-    quant.quantize_int8(tiny)
-    assert quant.weight_bytes(tiny) == speed.weight_bytes("tiny", 4, int8=True)
+    assert quant.weight_bytes(tiny_here) == float_bytes - 0  # the untied lookup is not read
+    quant.quantize_int8(tiny_here)
+    assert quant.weight_bytes(tiny_here) == speed.weight_bytes("tiny", 4, int8=True)
     assert speed.weight_bytes("llama-1b-shape", 2, int8=True) < 0.51 * speed.weight_bytes(
         "llama-1b-shape", 2
     )
@@ -105,20 +112,20 @@ def test_compiled_step_runs_on_the_cpu(tiny):
     assert ms > 0 and first_s > 0
 
 
-def test_int8_model_close_to_float_and_the_kernels_backend_agrees(tiny):
-    tokens = torch.randint(0, 256, (2, 7))
+def test_int8_model_close_to_float_and_the_kernels_backend_agrees(tiny_here):
+    tokens = torch.randint(0, 256, (2, 7), device=DEVICE)
     with torch.no_grad():
-        ref = tiny(tokens)
-        quant.quantize_int8(tiny)
-        q = tiny(tokens)
-        tiny.backend = "kernels"
-        qk = tiny(tokens[:, :3])
+        ref = tiny_here(tokens)
+        quant.quantize_int8(tiny_here)
+        q = tiny_here(tokens)
+        tiny_here.backend = "kernels"
+        qk = tiny_here(tokens[:, :3])
     assert (q - ref).abs().max() < 0.05 * ref.abs().max()
     assert (qk - q[:, :3]).abs().max() < 1e-4
-    head = tiny.head.weight
-    assert torch.equal(tiny.head_int8, int8.quantize(head)[0])
+    head = tiny_here.head.weight
+    assert torch.equal(tiny_here.head_int8, int8.quantize(head)[0])
     with pytest.raises(ValueError, match="int8 already"):
-        quant.quantize_int8(tiny)
+        quant.quantize_int8(tiny_here)
 
 
 def test_time_linears_with_a_stand_in_timer():
@@ -145,7 +152,7 @@ def test_down_projection_times_both_paths_and_they_agree():
         outs.append(fn(*argsets[0]))
         return float(len(outs))
 
-    found = speed.down_projection_ms("tiny", torch.float32, CPU, timer, copies=lambda w: [w])
+    found = speed.down_projection_ms("tiny", torch.float32, DEVICE, timer, copies=lambda w: [w])
     assert set(found) == {"float", "int8"} and set(found["int8"]) == {"separate", "fused"}
     c = get_config("tiny")
     assert found["int8"] == {"separate": 3.0, "fused": 4.0}  # separate, then fused

@@ -136,10 +136,12 @@ def rms_norm_ladder(rows: int = 64, cols: int = 4096) -> dict:
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         return (lambda: norm.rms_norm(xg, wg)), (lambda: F.rms_norm(xg, (cols,), wg, 1e-6))
 
+    key = norm.forward_key(x, w, block, True)
+
     rungs = ladder(
         lambda: F.rms_norm(x, (cols,), w, 1e-6),
         lambda: norm.rms_norm(x, w),
-        launch_rungs(norm.rms_norm_fwd_kernel, (rows,), args, meta),
+        launch_rungs(norm.rms_norm_fwd_kernel, (rows,), args, meta, key),
         lambda: torch.ops.brrr.rms_norm(x, w, 1e-6),
         grad_inputs,
     )
@@ -164,6 +166,7 @@ def matmul_ladder(n: int = 1024) -> dict:
         **config.all_kwargs(),
     }
     grid = (tuning.tile_count(n, n, meta),)
+    key = matmul.call_key(a, b, None, None, None)
 
     def grad_inputs():
         ag, bg = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -172,7 +175,7 @@ def matmul_ladder(n: int = 1024) -> dict:
     rungs = ladder(
         lambda: a @ b,
         lambda: matmul.matmul(a, b),
-        launch_rungs(matmul.matmul_kernel, grid, args, meta),
+        launch_rungs(matmul.matmul_kernel, grid, args, meta, key),
         lambda: torch.ops.brrr.matmul(a, b, None, None, None),
         grad_inputs,
     )
