@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import norm_long
-from kernels.launch import cdiv, launch, next_power_of_2
+from kernels.launch import Launcher, aligned, cdiv, int_class, next_power_of_2
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps, programs
 from kernels.operators import backward_operator
 
@@ -100,38 +100,37 @@ def norm_backward(dy, x2, weight, mean, rstd, layer_norm: bool):
         dw_part, db_part = norm_long.backward(
             dy2, x2, weight, mean, rstd, dx, n_programs, rows_per_program, layer_norm
         )
-        for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
-            grid, sizes = (cdiv(n_cols, 128),), dict(BLOCK_P=32, BLOCK_N=128)
-            launch(sum_partials_kernel, grid, part, out, n_programs, n_cols, **sizes)
+        _sum_partials(dw_part, dw, db_part, db, n_programs, n_cols, layer_norm)
         return dx, dw, db
     dw_part = x2.new_empty((n_programs, n_cols), dtype=torch.float32)
     db_part = torch.empty_like(dw_part) if layer_norm else dw_part  # unused by RMSNorm
     block = next_power_of_2(n_cols)
-    launch(
-        norm_bwd_kernel,
-        (n_programs,),
-        dy2,
-        x2,
-        weight,
-        mean,
-        rstd,
-        dx,
-        dw_part,
-        db_part,
-        n_rows,
-        n_cols,
-        dy2.stride(0),
-        x2.stride(0),
-        n_cols,
-        rows_per_program,
-        BLOCK=block,
-        LAYER_NORM=layer_norm,
-        num_warps=num_warps(block, 16),
-    )
-    for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
-        grid = (cdiv(n_cols, 128),)
-        launch(sum_partials_kernel, grid, part, out, n_programs, n_cols, BLOCK_P=32, BLOCK_N=128)
+    # The launch's key (kernels.launch): what Triton specializes on. dx and the partials are
+    # fresh allocations (aligned); BLOCK and num_warps follow from n_cols.
+    key = (dy2.dtype, x2.dtype, weight.dtype, mean.dtype, rstd.dtype, block, layer_norm,
+           aligned(dy2), aligned(x2), aligned(weight), aligned(mean), aligned(rstd),
+           int_class(n_rows), int_class(n_cols), int_class(dy2.stride(0)),
+           int_class(x2.stride(0)), int_class(rows_per_program))  # fmt: skip
+    _launch_norm_bwd(key, (n_programs,),
+        dy2, x2, weight, mean, rstd, dx, dw_part, db_part, n_rows, n_cols, dy2.stride(0),
+        x2.stride(0), n_cols, rows_per_program,
+        BLOCK=block, LAYER_NORM=layer_norm, num_warps=num_warps(block, 16),
+    )  # fmt: skip
+    _sum_partials(dw_part, dw, db_part, db, n_programs, n_cols, layer_norm)
     return dx, dw, db
+
+
+_launch_norm_bwd = Launcher(norm_bwd_kernel)
+_launch_sum_partials = Launcher(sum_partials_kernel)
+
+
+def _sum_partials(dw_part, dw, db_part, db, n_programs, n_cols, layer_norm):
+    """dw (and db) = the fp32 partials summed over programs, in a fixed order. The partials
+    are fresh allocations (aligned); dw and db may be anything zeros_like returns."""
+    grid = (cdiv(n_cols, 128),)
+    for part, out in ((dw_part, dw), (db_part, db)) if layer_norm else ((dw_part, dw),):
+        key = (out.dtype, aligned(out), int_class(n_programs), int_class(n_cols))
+        _launch_sum_partials(key, grid, part, out, n_programs, n_cols, BLOCK_P=32, BLOCK_N=128)
 
 
 def _rms_norm_backward(
