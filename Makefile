@@ -84,12 +84,15 @@ record: setup
 # One chapter's share: make gpu-record GPU_TESTS=tests/test_matmul.py BENCH_NAMES=matmul
 #   NOTEBOOKS=chapters/03_matmul.ipynb (the named benchmarks' rows are merged into bench.json).
 GPU_TESTS ?= tests
+# Extra pytest options, e.g. GPU_PYTEST_ARGS="-n 8 -v" where pytest-xdist is installed (the
+# suite takes minutes on one GPU; -v names each failure as it happens)
+GPU_PYTEST_ARGS ?=
 BENCH_NAMES ?=
 gpu-record:
 	mkdir -p $(OUT)/logs
 	export PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1; set -o pipefail; \
 	$(GPU_PY) -m kernels doctor 2>&1 | tee $(OUT)/logs/doctor.txt; \
-	$(GPU_PY) -m pytest -p no:cacheprovider -m "not book" -k "not recorded_from_the_current_code" $(GPU_TESTS) 2>&1 | tee $(OUT)/logs/pytest.txt; \
+	$(GPU_PY) -m pytest -p no:cacheprovider -m "not book" -k "not recorded_from_the_current_code" $(GPU_PYTEST_ARGS) $(GPU_TESTS) 2>&1 | tee $(OUT)/logs/pytest.txt; \
 	tests_rc=$$?; \
 	gpu=$$($(GPU_PY) -c 'import torch; from kernels.bench import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))'); \
 	mkdir -p kernels/data/$$gpu; \
