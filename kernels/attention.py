@@ -33,7 +33,7 @@ from kernels.attention_tuning import (
     profiler_metadata,
     with_32bit_head_offsets,
 )
-from kernels.operators import one_output, operator, through_operator
+from kernels.operators import dense_like, one_output, operator, through_operator
 from kernels.primitives import (
     LOG2E,
     head_index,
@@ -171,15 +171,11 @@ def _attention_backward(
     return attention_backward(do, q, k, v, o, lse, causal, sm_scale, precision)
 
 
-def _contiguous_like(t):
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-
 attention_forward_op = operator(
     "attention_forward",
     _attention_forward,
     lambda q, k, v, causal, sm_scale: (
-        _contiguous_like(q),
+        dense_like(q),
         q.new_empty(q.shape[:3], dtype=torch.float32),
     ),
 )
@@ -187,9 +183,9 @@ attention_backward_op = operator(
     "attention_backward",
     _attention_backward,
     lambda do, q, k, v, o, lse, causal, sm_scale, precision: (
-        _contiguous_like(q),
-        _contiguous_like(k),
-        _contiguous_like(v),
+        dense_like(q),
+        dense_like(k),
+        dense_like(v),
     ),
 )
 

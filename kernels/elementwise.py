@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import Launcher, aligned, cdiv, int_class
-from kernels.operators import operator, register_autograd
+from kernels.operators import dense_like, operator, register_autograd
 from kernels.primitives import gelu_for
 from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
@@ -51,9 +51,7 @@ def _add_backward(ctx, grad):
     return grad, grad  # d(x + y)/dx = d(x + y)/dy = 1
 
 
-add_op = operator(
-    "add", _add, fake=lambda x, y: torch.empty_like(x, memory_format=torch.contiguous_format)
-)
+add_op = operator("add", _add, fake=dense_like)
 # the backward on the operator, and the same as an autograd Function: eager calls that
 # autograd records skip the operator's dispatch (kernels.operators, road 3)
 _add_autograd = register_autograd(add_op, _add, _add_backward, differentiable_backward=True)
@@ -130,7 +128,7 @@ def _bias_gelu_backward(ctx, dy):
 bias_gelu_op = operator(
     "bias_gelu",
     _bias_gelu,
-    fake=lambda x, bias: torch.empty_like(x, memory_format=torch.contiguous_format),
+    fake=dense_like,
 )
 _bias_gelu_autograd = register_autograd(  # both roads, as add's
     bias_gelu_op, _bias_gelu, _bias_gelu_backward, _bias_gelu_setup, differentiable_backward=True

@@ -23,7 +23,7 @@ from kernels.launch import Launcher, aligned, int_class, next_power_of_2
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
-from kernels.operators import one_output, operator, register_autograd
+from kernels.operators import dense_like, one_output, operator, register_autograd
 from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
 # Rows up to MAX_COLS are kept whole in registers (the kernels below); longer rows take
@@ -106,7 +106,7 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
     # the kernels read weight and bias as dense vectors: a strided one (w[::2]) is copied
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    y = _like(x)  # empty_like costs the host less than torch.empty(shape, dtype, device)
+    y = dense_like(x)  # empty_like costs the host less than torch.empty(shape, dtype, device)
     h = None if residual is None else torch.empty_like(y)
     mean = rstd = None
     if save_stats or long_rows:  # the long-row kernels always write them
@@ -178,26 +178,22 @@ def _add_rms_norm_forward(
     return y, h, rstd
 
 
-def _like(x):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
 def _row_stats(x):  # one fp32 per row of x
     return x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
 rms_norm_forward = operator(
-    "rms_norm_forward", _rms_norm_forward, lambda x, w, eps: (_like(x), _row_stats(x))
+    "rms_norm_forward", _rms_norm_forward, lambda x, w, eps: (dense_like(x), _row_stats(x))
 )
 layer_norm_forward = operator(
     "layer_norm_forward",
     _layer_norm_forward,
-    lambda x, w, b, eps: (_like(x), _row_stats(x), _row_stats(x)),
+    lambda x, w, b, eps: (dense_like(x), _row_stats(x), _row_stats(x)),
 )
 add_rms_norm_forward = operator(
     "add_rms_norm_forward",
     _add_rms_norm_forward,
-    lambda x, r, w, eps: (_like(x), _like(x), _row_stats(x)),
+    lambda x, r, w, eps: (dense_like(x), dense_like(x), _row_stats(x)),
 )
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from kernels import norm_long
 from kernels.launch import Launcher, aligned, cdiv, int_class, next_power_of_2
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps, programs
-from kernels.operators import backward_operator
+from kernels.operators import backward_operator, dense_like
 
 
 @triton.jit(launch_metadata=launch_metadata)
@@ -148,17 +148,13 @@ def _layer_norm_backward(
     return dx.view(x.shape), dw, db
 
 
-def _like(x):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
 # What the norms' backward formulas call (kernels.operators.backward_operator): the operator,
 # or in an eager autograd Function's backward, the implementation itself.
 rms_norm_backward = backward_operator(
-    "rms_norm_backward", _rms_norm_backward, lambda dy, x, w, rstd: (_like(x), _like(w))
+    "rms_norm_backward", _rms_norm_backward, lambda dy, x, w, rstd: (dense_like(x), dense_like(w))
 )
 layer_norm_backward = backward_operator(
     "layer_norm_backward",
     _layer_norm_backward,
-    lambda dy, x, w, mean, rstd: (_like(x), _like(w), _like(w)),
+    lambda dy, x, w, mean, rstd: (dense_like(x), dense_like(w), dense_like(w)),
 )

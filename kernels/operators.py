@@ -84,6 +84,12 @@ def operator(name: str, impl, fake):
     return op
 
 
+def dense_like(t: torch.Tensor, *_) -> torch.Tensor:
+    """A fresh contiguous tensor of t's shape, dtype and device: the output of an op shaped
+    like its input, and what its fake kernel returns (other arguments ignored)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def one_output(name: str, forward_op, n_outputs: int = 1):
     """Register torch.ops.brrr.<name>: `forward_op`'s first `n_outputs` outputs, with its
     arguments (the rest of its outputs are statistics for its backward). Composite: autograd,

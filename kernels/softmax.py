@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels import softmax_tuning as tuning
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.norm_tuning import as_rows
-from kernels.operators import operator, register_autograd
+from kernels.operators import dense_like, operator, register_autograd
 from kernels.softmax_tuning import FUSED_MAX_COLS
 from kernels.validate import check_tensor, needs_grad
 
@@ -133,7 +133,7 @@ def softmax_split_kernel(
 
 
 def _launch(x: torch.Tensor, how: tuning.Plan) -> torch.Tensor:
-    x2, out = as_rows(x), torch.empty_like(x, memory_format=torch.contiguous_format)
+    x2, out = as_rows(x), dense_like(x)
     out2 = out if out.dim() == 2 else out.view(-1, x.shape[-1])
     n_rows, n_cols = x2.shape
     strides = (x2.stride(0), out2.stride(0))
@@ -186,12 +186,8 @@ def _softmax_backward(ctx, dy):
     return (dx.to(y.dtype),) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
-def _like_x(x, *_):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-softmax_op = operator("softmax", _softmax, fake=_like_x)
-softmax_streamed_op = operator("softmax_streamed", _softmax_streamed, fake=_like_x)
+softmax_op = operator("softmax", _softmax, fake=dense_like)
+softmax_streamed_op = operator("softmax_streamed", _softmax_streamed, fake=dense_like)
 # the backward on each operator, and the same as autograd Functions: eager calls that autograd
 # records skip the operators' dispatch (kernels.operators, road 3)
 _softmax_autograd = register_autograd(
