@@ -44,6 +44,9 @@ from kernels.runtime import INTERPRET
 
 VERIFY: bool = os.environ.get("KERNELS_VERIFY_LAUNCH", "0") not in ("", "0")
 MAX_KEYS = 4096  # keys kept per kernel; past this its cache starts again (a bound, not a tuning)
+# torch's current device and stream, looked up once (a CPU build of torch has neither)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -91,17 +94,32 @@ class Launcher:
     def __call__(self, key, grid, *args, **kwargs):
         if INTERPRET:
             return self._interpret(key, grid, args, kwargs)
-        device = torch._C._cuda_getDevice()
+        device = _current_device()
         entry = self.entries.get((device, key))
         if entry is None or hooked() or callable(grid):
             return self._first(device, key, grid, args, kwargs)
         if VERIFY:
             self._verify(entry, key, grid, args, kwargs)
         values = args + tuple([kwargs[name] for name in entry.names]) if entry.names else args
-        stream = torch._C._cuda_getCurrentRawStream(device)
         entry.launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     stream, values)  # fmt: skip
+                     _current_stream(device), values)  # fmt: skip
         return entry.compiled
+
+    def launch_kept(self, key, grid, *args) -> bool:
+        """Launch under `key` with no keywords to pass: those of the key's first launch, when
+        every one of them was a constexpr or a launch option (which the key fixes, by the
+        module's rule). True when launched; False, having launched nothing, where the full
+        call is needed: no kernel kept under the key, a launch hook, VERIFY, the interpreter.
+        For call sites whose keywords cost more to build than the launch's lookup."""
+        if INTERPRET or VERIFY:
+            return False
+        device = _current_device()
+        entry = self.entries.get((device, key))
+        if entry is None or entry.constants is None or hooked() or callable(grid):
+            return False
+        entry.launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     _current_stream(device), args + entry.constants)  # fmt: skip
+        return True
 
     def _first(self, device, key, grid, args, kwargs):
         """Triton's own path; keep what it compiled when it may be launched directly later."""
@@ -118,7 +136,8 @@ class Launcher:
         if len(self.entries) >= MAX_KEYS:
             self.entries.clear()
         spec = specialization(self, args, kwargs)
-        self.entries[(device, key)] = _Entry(compiled, tuple(names), launch, spec)
+        constants = tuple(kwargs[n] for n in names) if self.constexprs.issuperset(names) else None
+        self.entries[(device, key)] = _Entry(compiled, tuple(names), launch, spec, constants)
         return compiled
 
     def _interpret(self, key, grid, args, kwargs):
@@ -148,10 +167,15 @@ class Launcher:
 
 
 class _Entry:
-    __slots__ = ("compiled", "names", "launch", "spec")
+    """A kept kernel: what Triton compiled, the names of the arguments passed by keyword, its
+    launch function, the specialization (for VERIFY) and, when every keyword was a constexpr,
+    their values (for launch_kept)."""
 
-    def __init__(self, compiled, names, launch, spec):
+    __slots__ = ("compiled", "names", "launch", "spec", "constants")
+
+    def __init__(self, compiled, names, launch, spec, constants=None):
         self.compiled, self.names, self.launch, self.spec = compiled, names, launch, spec
+        self.constants = constants
 
 
 def _check_same(launcher, key, first, now):

@@ -101,22 +101,24 @@ def _matmul(a, b, bias, activation, kernel):
     """act(a @ b + bias) for validated operands. A repeat call (same shapes, strides,
     alignment, dtype, flags) finds everything decided in _calls and only allocates and
     launches; the first plans, and on a GPU autotunes."""
-    bias = None if bias is None else bias.contiguous()  # read as dense: a strided one is copied
+    if bias is not None:
+        bias = bias.contiguous()  # read as dense: a strided one is copied
     key = call_key(a, b, bias, activation, kernel)
     call = _calls.get(key)
     if call is None:
         return _first_call(key, a, b, bias, activation, kernel)
-    (M, K), N = a.shape, b.shape[1]
+    (M, K), stride_a, (_, N), stride_b = key[:4]
     c = a.new_empty((M, N))  # a's dtype and device, for less host time than torch.empty's
-    meta, grid = call
-    _launch_matmul(key, grid, a, b, c, c if bias is None else bias, M, N, K,
-                   *a.stride(), *b.stride(), N, 1, **meta)  # fmt: skip
+    args = (a, b, c, c if bias is None else bias, M, N, K, *stride_a, *stride_b, N, 1)
+    if not _launch_matmul.launch_kept(key, call[1], *args):  # the config's 10 keywords unbuilt
+        _launch_matmul(key, call[1], *args, **call[0])
     return c
 
 
 def call_key(a, b, bias, activation, kernel) -> tuple:
     """_calls' key, and the pointer kernel's launch key (kernels.launch): everything plan()
-    and the kernel's specialization read (c is a fresh allocation, so aligned)."""
+    and the kernel's specialization read (c is a fresh allocation, so aligned). It starts with
+    a's shape and strides, then b's, which the launch reads back from it."""
     precision = a.dtype == torch.float32 and torch.get_float32_matmul_precision()
     return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, aligned(a), aligned(b), precision,
             kernel, bias is not None and aligned(bias), bias is None, activation)  # fmt: skip

@@ -119,24 +119,26 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
         norm_long.forward(x2, weight, bias, eps, y2, mean, rstd)
         return y, x2, mean, rstd, h
     block = next_power_of_2(n_cols)
+    # the key fixes the keywords (BLOCK, SAVE_STATS, HAS_RESIDUAL and num_warps follow from
+    # it): after a key's first launch, launch_kept needs none of them built
     key = forward_key(x2, weight, block, save_stats)
-    meta = dict(BLOCK=block, SAVE_STATS=save_stats, num_warps=num_warps(block, 32))
     if bias is None:
         r2 = x2 if residual is None else as_rows(residual)  # x2 stands in, never read
         h2 = y2 if h is None else h.view(n_rows, n_cols)
         stats = y2 if rstd is None else rstd  # stands in, never written
         if residual is not None:
             key += (aligned(r2), int_class(r2.stride(0)))
-        _launch_rms_norm(key, (n_rows,),
-            x2, weight, y2, stats, n_cols, x2.stride(0), n_cols, eps, r2, h2, r2.stride(0),
-            HAS_RESIDUAL=residual is not None, **meta,
-        )  # fmt: skip
+        args = (x2, weight, y2, stats, n_cols, x2.stride(0), n_cols, eps, r2, h2, r2.stride(0))
+        if not _launch_rms_norm.launch_kept(key, (n_rows,), *args):
+            _launch_rms_norm(key, (n_rows,), *args, HAS_RESIDUAL=residual is not None,
+                             BLOCK=block, SAVE_STATS=save_stats, num_warps=num_warps(block, 32))  # fmt: skip
     else:
         key += (aligned(bias),)
         mean2, rstd2 = (y2, y2) if rstd is None else (mean, rstd)  # stand-ins, never written
-        _launch_layer_norm(key, (n_rows,),
-            x2, weight, bias, y2, mean2, rstd2, n_cols, x2.stride(0), n_cols, eps, **meta,
-        )  # fmt: skip
+        args = (x2, weight, bias, y2, mean2, rstd2, n_cols, x2.stride(0), n_cols, eps)
+        if not _launch_layer_norm.launch_kept(key, (n_rows,), *args):
+            _launch_layer_norm(key, (n_rows,), *args, BLOCK=block, SAVE_STATS=save_stats,
+                               num_warps=num_warps(block, 32))  # fmt: skip
     return y, x2, mean, rstd, h
 
 

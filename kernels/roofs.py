@@ -14,9 +14,9 @@ from pathlib import Path
 
 RATE_UNITS = ("GB/s", "TFLOP/s")  # rows in tok/s have no roof
 
-# Peaks from NVIDIA's H200 Tensor Core GPU datasheet, H200 SXM column (nvidia.com/h200), keyed
-# by bench.gpu_slug of the device name. The datasheet's tensor-core figures assume 2:4 structured
-# sparsity; a dense matmul gets half of each.
+# Peaks from NVIDIA's Tensor Core GPU datasheets, SXM columns (nvidia.com/h200, nvidia.com/h100),
+# keyed by bench.gpu_slug of the device name. The datasheets' tensor-core figures assume 2:4
+# structured sparsity; a dense matmul gets half of each.
 DATASHEET = {
     "h200": {
         "hbm_gbps": 4800.0,  # "GPU memory bandwidth 4.8TB/s" (HBM3e)
@@ -26,6 +26,12 @@ DATASHEET = {
             "tf32": 494.5,  # "TF32 Tensor Core 989 TFLOPS" with sparsity: 494.5 dense
             "fp32": 67.0,  # "FP32 67 TFLOPS": CUDA cores, no tensor cores (IEEE fp32 matmul too)
         },
+    },
+    # "NVIDIA H100 80GB HBM3" is the SXM part (the PCIe card's HBM2e runs at 2 TB/s): the same
+    # SMs and clocks as the H200, so the same compute peaks, with less and slower memory
+    "h100-80gb-hbm3": {
+        "hbm_gbps": 3350.0,  # "GPU memory bandwidth 3.35TB/s"
+        "tflops": {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0},  # as the H200's
     },
 }
 

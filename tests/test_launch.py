@@ -249,12 +249,45 @@ EXPECTED = {
 
 @pytest.mark.parametrize("launcher_class", EXPECTED, ids=lambda c: c.__name__.strip("_"))
 def test_the_direct_path_passes_each_layout_its_arguments(launcher_class, monkeypatch):
-    monkeypatch.setattr(launch_module, "INTERPRET", False)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 99, raising=False)
+    _off_the_interpreter(monkeypatch)
     seen = []
     keyed = Launcher(_stand_in_kernel(launcher_class(seen)))
     for _ in range(2):
         keyed(("key",), (5,), "x", 16, BLOCK=64)
     assert seen[0] == ("triton", ("x", 16))  # the first launch: Triton's own path
     assert seen[1:] == [EXPECTED[launcher_class]]
+
+
+def _off_the_interpreter(monkeypatch):
+    """The direct path on any machine: device 0, stream 99, against stand-in kernels."""
+    monkeypatch.setattr(launch_module, "INTERPRET", False)
+    monkeypatch.setattr(launch_module, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "_current_stream", lambda d: 99)
+
+
+def test_launch_kept_reuses_the_first_launchs_constexprs_and_declines_what_it_cannot_do(
+    monkeypatch,
+):
+    _off_the_interpreter(monkeypatch)
+    seen = []
+    keyed = Launcher(_stand_in_kernel(_Launcher36(seen)))
+    assert not keyed.launch_kept(("key",), (5,), "x", 16)  # nothing kept yet: launches nothing
+    assert seen == []
+    keyed(("key",), (5,), "x", 16, BLOCK=64)
+    assert keyed.launch_kept(("key",), (5,), "y", 32)
+    assert seen[-1] == EXPECTED[_Launcher36][:1] + (
+        EXPECTED[_Launcher36][1][:-3] + ("y", 32, 64),  # BLOCK=64, from the first launch
+    )
+    assert not keyed.launch_kept(("other key",), (5,), "y", 32)
+    monkeypatch.setattr(launch_module, "VERIFY", True)  # VERIFY checks every launch: full calls
+    assert not keyed.launch_kept(("key",), (5,), "y", 32)
+    assert len(seen) == 2
+
+
+def test_launch_kept_declines_a_key_whose_keywords_are_not_all_constexprs(monkeypatch):
+    _off_the_interpreter(monkeypatch)
+    seen = []
+    keyed = Launcher(_stand_in_kernel(_Launcher36(seen)))
+    keyed(("key",), (5,), "x", n=16, BLOCK=64)  # n is a runtime argument: it changes per call
+    assert keyed.entries[(0, ("key",))].constants is None
+    assert not keyed.launch_kept(("key",), (5,), "x")
