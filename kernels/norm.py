@@ -130,8 +130,10 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
             key += (aligned(r2), int_class(r2.stride(0)))
         args = (x2, weight, y2, stats, n_cols, x2.stride(0), n_cols, eps, r2, h2, r2.stride(0))
         if not _launch_rms_norm.launch_kept(key, (n_rows,), *args):
-            _launch_rms_norm(key, (n_rows,), *args, HAS_RESIDUAL=residual is not None,
-                             BLOCK=block, SAVE_STATS=save_stats, num_warps=num_warps(block, 32))  # fmt: skip
+            _launch_rms_norm(
+                key, (n_rows,), *args, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                SAVE_STATS=save_stats, num_warps=num_warps(block, 32),
+            )  # fmt: skip
     else:
         key += (aligned(bias),)
         mean2, rstd2 = (y2, y2) if rstd is None else (mean, rstd)  # stand-ins, never written
