@@ -54,7 +54,9 @@ def _add_backward(ctx, grad):
 add_op = operator("add", _add, fake=dense_like)
 # the backward on the operator, and the same as an autograd Function: eager calls that
 # autograd records skip the operator's dispatch (kernels.operators, road 3)
-_add_autograd = register_autograd(add_op, _add, _add_backward, differentiable_backward=True)
+_add_autograd, _add_traced = register_autograd(
+    add_op, _add, _add_backward, differentiable_backward=True
+)
 
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -65,7 +67,7 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     check_tensor("y", y)
     check_same("x and y", x, y)
     if torch.compiler.is_compiling():
-        return add_op(x, y)
+        return _add_traced(x, y)
     if needs_grad(x, y):
         return _add_autograd(x, y)
     return _add(x, y)
@@ -130,7 +132,7 @@ bias_gelu_op = operator(
     _bias_gelu,
     fake=dense_like,
 )
-_bias_gelu_autograd = register_autograd(  # both roads, as add's
+_bias_gelu_autograd, _bias_gelu_traced = register_autograd(  # both roads, as add's
     bias_gelu_op, _bias_gelu, _bias_gelu_backward, _bias_gelu_setup, differentiable_backward=True
 )
 
@@ -144,7 +146,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     check_tensor("x", x, min_ndim=1)
     check_row_vector("bias", bias, x)
     if torch.compiler.is_compiling():
-        return bias_gelu_op(x, bias)
+        return _bias_gelu_traced(x, bias)
     if needs_grad(x, bias):
         return _bias_gelu_autograd(x, bias)
     return _bias_gelu(x, bias)

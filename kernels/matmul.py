@@ -21,10 +21,10 @@ from kernels import split_k
 from kernels.elementwise import activation_grad
 from kernels.launch import Launcher, aligned, launch
 from kernels.matmul_reference import matmul_ref
-from kernels.operators import operator, through_operator
+from kernels.operators import operator, register_autograd
 from kernels.primitives import epilogue, grouped_tile, matmul_launch_metadata
 from kernels.runtime import INTERPRET
-from kernels.validate import check_matmul_inputs
+from kernels.validate import check_matmul_inputs, needs_grad
 
 
 @triton.jit(launch_metadata=matmul_launch_metadata)
@@ -270,16 +270,23 @@ def matmul_grads(op, ctx, dout):
     return da, db, dbias, None, *(None for _ in ctx.kernel)
 
 
+def _matmul_backward(ctx, dout):
+    return matmul_grads(matmul_op, ctx, dout)  # the backward's matmuls: differentiable too
+
+
 matmul_op = operator("matmul", _matmul_op_impl, matmul_fake)
-matmul_op.register_autograd(
-    lambda ctx, dout: matmul_grads(matmul_op, ctx, dout), setup_context=save_operands
+# the backward on the operator, and the same as autograd Functions (kernels.operators)
+_matmul_autograd, _matmul_traced = register_autograd(
+    matmul_op, _matmul_op_impl, _matmul_backward, save_operands, differentiable_backward=True
 )
 
 
 def _checked(a, b, bias, activation, kernel):
     check_matmul_inputs(a, b, bias, activation)
-    if through_operator(a, b, bias):
-        return matmul_op(a, b, bias, activation, kernel)
+    if torch.compiler.is_compiling():
+        return _matmul_traced(a, b, bias, activation, kernel)
+    if needs_grad(a, b, bias):
+        return _matmul_autograd(a, b, bias, activation, kernel)
     return _matmul(a, b, bias, activation, kernel)
 
 

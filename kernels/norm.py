@@ -234,13 +234,13 @@ def _add_rms_norm_grads(ctx, dy, dh, _drstd):
 # The backward on each <name>_forward operator, and the same implementation, setup and backward
 # as autograd Functions: eager calls that autograd records skip the operators' dispatch
 # (kernels.operators, road 3)
-_rms_norm_autograd = register_autograd(
+_rms_norm_autograd, _rms_norm_traced = register_autograd(
     rms_norm_forward, _rms_norm_forward, _rms_norm_grads, _save_stats
 )
-_layer_norm_autograd = register_autograd(
+_layer_norm_autograd, _layer_norm_traced = register_autograd(
     layer_norm_forward, _layer_norm_forward, _layer_norm_grads, _save_stats
 )
-_add_rms_norm_autograd = register_autograd(
+_add_rms_norm_autograd, _add_rms_norm_traced = register_autograd(
     add_rms_norm_forward, _add_rms_norm_forward, _add_rms_norm_grads, _add_rms_norm_setup
 )
 one_output("rms_norm", rms_norm_forward)
@@ -256,7 +256,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     that autograd records runs the same implementation without its dispatch."""
     _check(x, eps, weight=weight)
     if torch.compiler.is_compiling():
-        return rms_norm_forward(x, weight, float(eps))[0]
+        return _rms_norm_traced(x, weight, float(eps))[0]
     if needs_grad(x, weight):
         return _rms_norm_autograd(x, weight, float(eps))[0]
     return _forward(x, weight, None, float(eps), save_stats=False)[0]
@@ -273,7 +273,7 @@ def layer_norm(
     without its dispatch."""
     _check(x, eps, weight=weight, bias=bias)
     if torch.compiler.is_compiling():
-        return layer_norm_forward(x, weight, bias, float(eps))[0]
+        return _layer_norm_traced(x, weight, bias, float(eps))[0]
     if needs_grad(x, weight, bias):
         return _layer_norm_autograd(x, weight, bias, float(eps))[0]
     return _forward(x, weight, bias, float(eps), save_stats=False)[0]
@@ -298,7 +298,7 @@ def add_rms_norm(
             "call rms_norm(x + residual, weight, eps), which has a long-row path"
         )
     if torch.compiler.is_compiling():
-        y, h, _ = add_rms_norm_forward(x, residual, weight, float(eps))
+        y, h, _ = _add_rms_norm_traced(x, residual, weight, float(eps))
         return y, h
     if needs_grad(x, residual, weight):
         y, h, _ = _add_rms_norm_autograd(x, residual, weight, float(eps))

@@ -190,10 +190,10 @@ softmax_op = operator("softmax", _softmax, fake=dense_like)
 softmax_streamed_op = operator("softmax_streamed", _softmax_streamed, fake=dense_like)
 # the backward on each operator, and the same as autograd Functions: eager calls that autograd
 # records skip the operators' dispatch (kernels.operators, road 3)
-_softmax_autograd = register_autograd(
+_softmax_autograd, _softmax_traced = register_autograd(
     softmax_op, _softmax, _softmax_backward, _save_output, differentiable_backward=True
 )
-_softmax_streamed_autograd = register_autograd(
+_softmax_streamed_autograd, _softmax_streamed_traced = register_autograd(
     softmax_streamed_op,
     _softmax_streamed,
     _softmax_backward,
@@ -211,7 +211,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     and backward without its dispatch."""
     check_tensor("x", x, min_ndim=1)
     if torch.compiler.is_compiling():
-        return softmax_op(x)
+        return _softmax_traced(x)
     if needs_grad(x):
         return _softmax_autograd(x)
     return _softmax(x)
@@ -225,7 +225,7 @@ def softmax_streamed(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     if block is not None and (not isinstance(block, int) or block < 1 or block & (block - 1)):
         raise ValueError(f"block must be a power of two, got {block!r}")
     if torch.compiler.is_compiling():
-        return softmax_streamed_op(x, block)
+        return _softmax_streamed_traced(x, block)
     if needs_grad(x):
         return _softmax_streamed_autograd(x, block)
     return _softmax_streamed(x, block)

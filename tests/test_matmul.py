@@ -383,6 +383,18 @@ def test_no_autograd_bookkeeping_without_a_gradient(monkeypatch):
     check.assert_close(out, matmul_ref(a.double(), b.double()), op="matmul")
 
 
+def test_compiled_forward_calls_the_kernel_operator_and_its_backward_the_operator():
+    # forward: torch.ops.brrr._matmul (no autograd kernel); backward: z recomputed, da and db,
+    # through torch.ops.brrr.matmul, which is differentiable again; eager's bits throughout
+    from test_norm import _check_compiled_keeps_to_the_operators
+
+    a, b = operands(6, 5, 4, torch.float32, seed=47)
+    bias = check.random_tensor((5,), torch.float32, seed=48)
+    public = lambda a, b, bias: matmul(a, b, bias, "gelu")
+    forward, backward = {"brrr._matmul.default"}, {"brrr.matmul.default"}
+    _check_compiled_keeps_to_the_operators(public, [a, b, bias], forward, backward)
+
+
 def test_gradients_of_empty_products():
     a, b = operands(5, 6, 7, torch.float32)
     for x, y in ((a[:0], b), (a, b[:, :0]), (a[:, :0], b[:0])):

@@ -476,7 +476,8 @@ def test_eager_autograd_dispatches_no_operator(op):
 @pytest.mark.parametrize("op", ROADS)
 def test_compiled_forward_and_backward_keep_to_the_operators(op):
     rows, vectors, _ = _road_inputs(op, (5, 33))
-    forward, backward = f"brrr.{op}_forward.default", f"brrr.{BACKWARD_OPERATOR[op]}.default"
+    # forward: the kernel operator (no autograd kernel); backward: the backward's operator
+    forward, backward = f"brrr._{op}_forward.default", f"brrr.{BACKWARD_OPERATOR[op]}.default"
     _check_compiled_keeps_to_the_operators(ROADS[op][0], rows + vectors, {forward}, {backward})
 
 

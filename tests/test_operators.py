@@ -117,6 +117,17 @@ def _flat(inputs):
     return (x, *params)
 
 
+def _without_grad(public_cases):
+    """A kernel operator's cases (torch.ops.brrr._<name>, no autograd): its public operator's,
+    with no input requiring grad."""
+    detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a
+    return lambda d: [tuple(map(detach, args)) for args in public_cases(d)]
+
+
+KERNEL_OPERATORS = [name for name in REGISTERED if name.startswith("_")]
+OPCHECK_CASES.update({name: _without_grad(OPCHECK_CASES[name[1:]]) for name in KERNEL_OPERATORS})
+
+
 def test_every_registered_operator_has_an_opcheck_case():
     missing = sorted(set(REGISTERED) - set(OPCHECK_CASES))
     assert not missing, f"operators without an opcheck case in OPCHECK_CASES: {missing}"
