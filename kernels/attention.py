@@ -33,7 +33,13 @@ from kernels.attention_tuning import (
     profiler_metadata,
     with_32bit_head_offsets,
 )
-from kernels.operators import dense_like, one_output, operator, through_operator
+from kernels.operators import (
+    backward_operator,
+    dense_like,
+    eager_autograd,
+    one_output,
+    operator,
+)
 from kernels.primitives import (
     LOG2E,
     head_index,
@@ -43,7 +49,7 @@ from kernels.primitives import (
     kv_block,
     tile_mask,
 )
-from kernels.validate import check_same, check_tensor, input_precision
+from kernels.validate import check_same, check_tensor, input_precision, needs_grad
 
 
 @triton.jit
@@ -179,7 +185,7 @@ attention_forward_op = operator(
         q.new_empty(q.shape[:3], dtype=torch.float32),
     ),
 )
-attention_backward_op = operator(
+attention_backward_op = backward_operator(
     "attention_backward",
     _attention_backward,
     lambda do, q, k, v, o, lse, causal, sm_scale, precision: (
@@ -204,7 +210,12 @@ def _attention_grads(ctx, do, _dlse):
     return *grads, None, None
 
 
+# the backward on the operator, and the same as an autograd Function for eager calls that
+# autograd records (kernels.operators, road 3). No traced Function for torch.compile: the setup
+# reads torch.get_float32_matmul_precision(), a string, which Dynamo cannot trace inside a
+# Function (torch 2.13), so compiled graphs call the operator, whose setup runs outside Dynamo.
 attention_forward_op.register_autograd(_attention_grads, setup_context=_attention_setup)
+_attention_autograd = eager_autograd(_attention_forward, _attention_setup, _attention_grads)
 one_output("attention", attention_forward_op)
 
 
@@ -253,8 +264,10 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None) -> t
     at "highest").
     """
     sm_scale = check_attention_inputs(q, k, v, sm_scale)
-    if through_operator(q, k, v):  # the operator torch.ops.brrr.attention
+    if torch.compiler.is_compiling():  # the roads of kernels.operators
         return attention_forward_op(q, k, v, bool(causal), sm_scale)[0]
+    if needs_grad(q, k, v):
+        return _attention_autograd(q, k, v, bool(causal), sm_scale)[0]
     return attention_forward(q, k, v, bool(causal), sm_scale)[0]
 
 

@@ -12,20 +12,20 @@ What a public function (`kernels.norm.rms_norm`, ...) does, in order:
    the same TypeError or ValueError; with `fullgraph=True` Dynamo reports it inside its own
    error, the message included.
 2. Under `torch.compile` it calls the operator; so does an eager call that autograd must
-   record, except for the ops of 3. For the ops of 3, torch.compile calls their `traced`
-   Function instead, which Dynamo traces: the compiled graph calls the op's kernel operator
-   torch.ops.brrr._<name> forward (the same implementation and fake, registered with
+   record, except for the ops of 3. For the ops of 3 but attention, torch.compile calls their
+   `traced` Function instead, which Dynamo traces: the compiled graph calls the op's kernel
+   operator torch.ops.brrr._<name> forward (the same implementation and fake, registered with
    torch.library.Library: torch's dispatcher calls the implementation with nothing between)
    and the backward's ops backward. The operator itself would run custom_op's Python
    autograd kernel and wrappers on every call of the graph, gradient or not: on a CPU (torch
    2.13) six calls of a trivial op in a compiled function cost 136 us through custom_op
    operators, 64 us through kernel operators in a traced Function.
-3. rms_norm, layer_norm, add_rms_norm, add, bias_gelu, softmax, softmax_streamed and matmul,
-   in an eager call that autograd must record, call `eager_autograd`'s torch.autograd.Function
-   instead: the operator's own implementation, setup_context and backward, with no dispatch in
-   the forward or the backward. torch.library's wrappers around each call (its autograd
-   Function, the redispatch, Dynamo's disable around the implementation) cost about as much
-   host time as the course's own Python in a step.
+3. rms_norm, layer_norm, add_rms_norm, add, bias_gelu, softmax, softmax_streamed, matmul and
+   attention, in an eager call that autograd must record, call `eager_autograd`'s
+   torch.autograd.Function instead: the operator's own implementation, setup_context and
+   backward, with no dispatch in the forward or the backward. torch.library's wrappers around
+   each call (its autograd Function, the redispatch, Dynamo's disable around the
+   implementation) cost about as much host time as the course's own Python in a step.
 4. Otherwise (eager, nothing to differentiate) it launches the kernel directly: the operator's
    dispatch costs microseconds of host time that a small input cannot hide (Chapter 1's overhead
    regime; `python -m kernels bench overhead` measures each rung). After a shape's first call

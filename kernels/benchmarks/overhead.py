@@ -44,17 +44,19 @@ def _compiled(fn, mode):
     return compiled
 
 
-def ladder(torch_fn, course_fn, launches, operator, grad_inputs) -> dict:
+def ladder(torch_fn, course_fn, launches, operator, kernel_operator, grad_inputs) -> dict:
     """Host microseconds per call of each rung of one op's ladder, {rung: us}. `launches` maps
     a rung to a launch alone (kernel[grid], kernels.launch, ...) into preallocated outputs with
-    no checks; `operator` calls torch.ops.brrr.<op>; `grad_inputs()` returns (course call,
-    torch call) on inputs that require grad."""
+    no checks; `operator` calls torch.ops.brrr.<op> (custom_op, with autograd) and
+    `kernel_operator` torch.ops.brrr._<op> (torch.library.Library, none: what compiled graphs
+    call); `grad_inputs()` returns (course call, torch call) on inputs that require grad."""
     with torch.no_grad():
         rungs = {
             "torch eager": torch_fn,
             **launches,
             "course function (checks, allocation, launch)": course_fn,
             "torch.library operator": operator,
+            "kernel operator (no autograd)": kernel_operator,
         }
         us = {rung: _host_us(fn) for rung, fn in rungs.items()}
         for mode in (None, "reduce-overhead"):
@@ -115,6 +117,7 @@ def add_ladder(n: int = 4096) -> dict:
         lambda: elementwise.add(x, y),
         launch_rungs(elementwise.add_kernel, grid, args, block, key),
         lambda: torch.ops.brrr.add(x, y),
+        lambda: torch.ops.brrr._add(x, y),
         grad_inputs,
     )
     return {"op": "add", "n": n, "dtype": "fp32", "rungs": rungs}
@@ -143,6 +146,7 @@ def rms_norm_ladder(rows: int = 64, cols: int = 4096) -> dict:
         lambda: norm.rms_norm(x, w),
         launch_rungs(norm.rms_norm_fwd_kernel, (rows,), args, meta, key),
         lambda: torch.ops.brrr.rms_norm(x, w, 1e-6),
+        lambda: torch.ops.brrr._rms_norm_forward(x, w, 1e-6),
         grad_inputs,
     )
     return {"op": "rms_norm", "n": f"{rows}x{cols}", "dtype": "bf16", "rungs": rungs}
@@ -177,6 +181,7 @@ def matmul_ladder(n: int = 1024) -> dict:
         lambda: matmul.matmul(a, b),
         launch_rungs(matmul.matmul_kernel, grid, args, meta, key),
         lambda: torch.ops.brrr.matmul(a, b, None, None, None),
+        lambda: torch.ops.brrr._matmul(a, b, None, None, None),
         grad_inputs,
     )
     return {"op": "matmul", "n": f"{n}^3", "dtype": "bf16", "tma": tma, "rungs": rungs}
