@@ -125,7 +125,10 @@ def test_solutions_get_full_marks(tmp_path):
         assert set(r) == {"path", "lab", "score", "max_score", "tasks"}
         for task in r["tasks"]:
             assert set(task) == {"name", "points", "max_points", "status", "message"}
-            assert task["status"] in (("passed",) if ON_GPU else ("passed", "needs_gpu")), task
+            # on a GPU every task runs but those for more GPUs than this machine has
+            wanted = next(t.gpus for t in LABS[r["lab"]] if t.name == task["name"])
+            runs_here = ON_GPU and wanted <= torch.cuda.device_count()
+            assert task["status"] in (("passed",) if runs_here else ("passed", "needs_gpu")), task
     assert "score" in out.stdout and "seed" in out.stdout
 
 
