@@ -4,8 +4,8 @@ Each op is registered with `torch.library.custom_op`: a schema (from the impleme
 annotations), a fake implementation (output shapes and dtypes without running the kernel, which
 is what `torch.compile` traces with) and, for the differentiable ops, autograd. The compiled
 graph keeps each op as one opaque node, so Dynamo never traces into a Triton launch. The ops
-with an eager road (3 below) also have a kernel operator, torch.ops.brrr._<name>, with no
-autograd: what their compiled graphs call (2).
+with a traced road (2 below) also have a kernel operator, torch.ops.brrr._<name>, with no
+autograd: what their compiled graphs call.
 
 What a public function (`kernels.norm.rms_norm`, ...) does, in order:
 1. It validates its inputs in Python. In eager and under `torch.compile` alike a bad input gets
