@@ -21,7 +21,7 @@ Bytes: N*K + M*K + M*N elements (+ N for the bias). Forward only.
 
 import torch
 
-from kernels.operators import operator, through_operator
+from kernels.operators import forward_road, operator
 from kernels.split_k import product
 from kernels.validate import check_same, check_tensor
 
@@ -70,9 +70,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     one dtype (fp32, fp16, bf16). fp32 accumulation; the output has x's dtype. A row's result
     does not depend on M. The operator torch.ops.brrr.linear; forward only."""
     check_linear_inputs(x, weight, bias)
-    if through_operator(x, weight, bias):
-        return linear_op(x, weight, bias)
-    return _linear(x, weight, bias)
+    call = forward_road(linear_op, x, weight, bias)  # the roads of kernels.operators
+    return _linear(x, weight, bias) if call is None else call(x, weight, bias)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:

@@ -23,7 +23,7 @@ Bytes: N*K (int8) + 4N (scales) + (M*K + M*N (+ N)) in x's dtype. Forward only.
 import torch
 
 from kernels.gemv import check_linear_inputs
-from kernels.operators import operator, through_operator
+from kernels.operators import forward_road, operator
 from kernels.split_k import product
 from kernels.validate import check_tensor
 
@@ -90,9 +90,8 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=Non
     accumulation; the output has x's dtype. The operator torch.ops.brrr.linear_int8; forward
     only."""
     check_int8_inputs(x, qweight, scale, bias)
-    if through_operator(x, scale, bias):
-        return linear_int8_op(x, qweight, scale, bias)
-    return _linear_int8(x, qweight, scale, bias)
+    call = forward_road(linear_int8_op, x, scale, bias)  # the roads of kernels.operators
+    return _linear_int8(x, qweight, scale, bias) if call is None else call(x, qweight, scale, bias)
 
 
 def linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None):

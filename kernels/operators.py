@@ -3,9 +3,9 @@
 Each op is registered with `torch.library.custom_op`: a schema (from the implementation's type
 annotations), a fake implementation (output shapes and dtypes without running the kernel, which
 is what `torch.compile` traces with) and, for the differentiable ops, autograd. The compiled
-graph keeps each op as one opaque node, so Dynamo never traces into a Triton launch. The ops
-with a traced road (2 below) also have a kernel operator, torch.ops.brrr._<name>, with no
-autograd: what their compiled graphs call.
+graph keeps each op as one opaque node, so Dynamo never traces into a Triton launch. Each
+operator also has a kernel operator, torch.ops.brrr._<name>, with no autograd: what compiled
+graphs call where they can (2 below).
 
 What a public function (`kernels.norm.rms_norm`, ...) does, in order:
 1. It validates its inputs in Python. In eager and under `torch.compile` alike a bad input gets
@@ -16,9 +16,12 @@ What a public function (`kernels.norm.rms_norm`, ...) does, in order:
    `traced` Function instead, which Dynamo traces: the compiled graph calls the op's kernel
    operator torch.ops.brrr._<name> forward (the same implementation and fake, registered with
    torch.library.Library: torch's dispatcher calls the implementation with nothing between)
-   and the backward's ops backward. The operator itself would run custom_op's Python
-   autograd kernel and wrappers on every call of the graph, gradient or not: on a CPU (torch
-   2.13) six calls of a trivial op in a compiled function cost 136 us through custom_op
+   and the backward's ops backward. The ops with no backward (linear, linear_int8,
+   matmul_split_k, invariant_rms_norm, invariant_attention) call their kernel operator under
+   torch.compile when nothing needs a gradient (`forward_road`), else their operator, which
+   raises torch's error when a gradient reaches it. The operator itself would run custom_op's
+   Python autograd kernel and wrappers on every call of the graph, gradient or not: on a CPU
+   (torch 2.13) six calls of a trivial op in a compiled function cost 136 us through custom_op
    operators, 64 us through kernel operators in a traced Function.
 3. rms_norm, layer_norm, add_rms_norm, add, bias_gelu, softmax, softmax_streamed, matmul and
    attention, in an eager call that autograd must record, call `eager_autograd`'s
@@ -90,8 +93,8 @@ def operator(name: str, impl, fake):
     on the direct path."""
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=())
     op.register_fake(fake)
-    op._brrr = (name, impl, fake)  # what register_autograd's kernel operator is made of
     REGISTERED.append(name)
+    op.kernel = kernel_operator(name, impl, fake)  # what compiled graphs call (road 2)
     return op
 
 
@@ -140,6 +143,17 @@ def one_output(name: str, forward_op, n_outputs: int = 1):
     return getattr(getattr(torch.ops, NAMESPACE), name)
 
 
+def forward_road(op, *tensors):
+    """What the public function of `op`, an operator with no backward, calls instead of launching
+    directly, or None: under torch.compile its kernel operator when nothing needs a gradient;
+    whenever a gradient is wanted, the operator, which raises torch's "no autograd formula"
+    error when one reaches it (a kernel operator has no autograd kernel at all, and torch would
+    only warn). Dynamo reads requires_grad at trace time and guards on it."""
+    if needs_grad(*tensors):
+        return op
+    return op.kernel if torch.compiler.is_compiling() else None
+
+
 def through_operator(*tensors) -> bool:
     """Whether a public function must call its operator rather than launch directly: while
     torch.compile traces it, or when autograd records the call."""
@@ -165,7 +179,7 @@ def register_autograd(op, impl, backward, setup_context=None, differentiable_bac
     torch.compile puts in its graph). One call, so that no road gets another formula."""
     op.register_autograd(backward, setup_context=setup_context)
     eager = eager_autograd(impl, setup_context, backward, differentiable_backward)
-    return eager, traced_autograd(kernel_operator(*op._brrr), setup_context, backward)
+    return eager, traced_autograd(op.kernel, setup_context, backward)
 
 
 def traced_autograd(kernel_op, setup_context, backward):

@@ -36,7 +36,7 @@ from kernels.arrivals import last_to_arrive
 from kernels.bench import l2_bytes, rotating_copies, rotating_graph_ms
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.matmul_reference import matmul_ref
-from kernels.operators import operator, through_operator
+from kernels.operators import forward_road, operator
 from kernels.primitives import add_combine, epilogue, swiglu
 from kernels.runtime import INTERPRET
 from kernels.validate import check_matmul_inputs, input_precision
@@ -310,9 +310,10 @@ def matmul_split_k(a, b, bias=None, activation=None, splits=None) -> torch.Tenso
     output has the inputs' dtype. The operator torch.ops.brrr.matmul_split_k; forward only."""
     check_matmul_inputs(a, b, bias, activation)
     check_splits(splits)
-    if through_operator(a, b, bias):
-        return matmul_split_k_op(a, b, bias, activation, splits)
-    return _matmul_split_k(a, b, bias, activation, splits)
+    call = forward_road(matmul_split_k_op, a, b, bias)  # the roads of kernels.operators
+    if call is None:
+        return _matmul_split_k(a, b, bias, activation, splits)
+    return call(a, b, bias, activation, splits)
 
 
 def matmul_split_k_ref(a, b, bias=None, activation=None, splits=None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 from params import DTYPES, assert_rows_invariant
 
@@ -96,6 +97,23 @@ def test_forward_only_a_backward_raises():
     out = linear(x, weight.requires_grad_())
     with pytest.raises(RuntimeError, match="no autograd formula"):
         out.sum().backward()
+
+
+def test_compiled_calls_the_kernel_operator_and_with_a_gradient_the_operator():
+    # kernels.operators.forward_road: no autograd kernel where nothing needs one; the operator
+    # (whose backward raises) where a gradient is wanted, so that it is never silently cut
+    x, weight = operands(3, 5, 7, torch.float32, seed=11)
+    for grad, called in ((False, "brrr._linear.default"), (True, "brrr.linear.default")):
+        torch._dynamo.reset()
+        recorded = torch._dynamo.testing.EagerAndRecordGraphs()
+        compiled = torch.compile(linear, backend=recorded, fullgraph=True)
+        out = compiled(x, weight.detach().requires_grad_(grad))
+        nodes = [n for g in recorded.graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert {str(n.target) for n in nodes if str(n.target).startswith("brrr.")} == {called}
+        assert torch.equal(out.detach(), linear(x, weight))
+        if grad:
+            with pytest.raises(RuntimeError, match="no autograd formula"):
+                out.sum().backward()
 
 
 # The decode shapes the benchmark times (issue 16), checked in bf16 against fp64.

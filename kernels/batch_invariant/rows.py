@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.norm import rms_norm_ref as rms_norm_ref  # the course's reference: the same maths
-from kernels.operators import operator, through_operator
+from kernels.operators import forward_road, operator
 from kernels.primitives import add_combine, max_combine
 from kernels.runtime import pick
 from kernels.validate import check_row_vector, check_tensor
@@ -183,9 +183,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     torch.ops.brrr.invariant_rms_norm (no backward)."""
     check_tensor("x", x, min_ndim=1)
     check_row_vector("weight", weight, x)
-    if through_operator(x, weight):
-        return invariant_rms_norm(x, weight, float(eps))
-    return _rms_norm(x, weight, eps)
+    call = forward_road(invariant_rms_norm, x, weight)  # the roads of kernels.operators
+    return _rms_norm(x, weight, eps) if call is None else call(x, weight, float(eps))
 
 
 def mean(x: torch.Tensor, keepdim: bool = False, dtype=None) -> torch.Tensor:

@@ -32,7 +32,7 @@ from kernels.attention import check_attention_inputs
 from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
 from kernels.launch import cdiv, launch
-from kernels.operators import operator, through_operator
+from kernels.operators import forward_road, operator
 from kernels.primitives import LOG2E
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import input_precision
@@ -208,9 +208,10 @@ def attention(q, k, v, causal=False, sm_scale=None, kv_lens=None) -> torch.Tenso
     sm_scale = check_attention_inputs(q, k, v, sm_scale)  # shapes, heads, head dim, scale
     B, H, Sq, D = q.shape
     lens = _kv_lens(kv_lens, B, q.device)
-    if through_operator(q, k, v):  # the operator torch.ops.brrr.invariant_attention
-        return invariant_attention(q, k, v, bool(causal), sm_scale, lens)
-    return _attention(q, k, v, bool(causal), sm_scale, lens)
+    call = forward_road(invariant_attention, q, k, v)  # the roads of kernels.operators
+    if call is None:
+        return _attention(q, k, v, bool(causal), sm_scale, lens)
+    return call(q, k, v, bool(causal), sm_scale, lens)
 
 
 def _attention(
