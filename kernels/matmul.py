@@ -109,9 +109,10 @@ def _matmul(a, b, bias, activation, kernel):
         return _first_call(key, a, b, bias, activation, kernel)
     (M, K), stride_a, (_, N), stride_b = key[:4]
     c = a.new_empty((M, N))  # a's dtype and device, for less host time than torch.empty's
+    meta, grid = call
     args = (a, b, c, c if bias is None else bias, M, N, K, *stride_a, *stride_b, N, 1)
-    if not _launch_matmul.launch_kept(key, call[1], *args):  # the config's 10 keywords unbuilt
-        _launch_matmul(key, call[1], *args, **call[0])
+    if not _launch_matmul.launch_kept(key, grid, *args):  # the config's 10 keywords unbuilt
+        _launch_matmul(key, grid, *args, **meta)
     return c
 
 

@@ -85,8 +85,8 @@ _eager_backward = threading.local()
 
 def operator(name: str, impl, fake):
     """Register `impl` (a launcher) as torch.ops.brrr.<name>, with `fake` as its fake kernel;
-    return the operator (call it like the function; add autograd with `register_autograd`,
-    which also registers its kernel operator, `kernel_operator`).
+    return the operator (call it like the function; add autograd with `register_autograd`),
+    with its kernel operator (`kernel_operator`) as its `kernel` attribute.
 
     `impl` takes validated tensors and returns fresh ones (never an input or a view of one);
     its type annotations become the schema. The public function keeps calling `impl` itself
@@ -105,7 +105,8 @@ def kernel_operator(name: str, impl, fake):
     """Register `impl` as torch.ops.brrr._<name>: the same schema, implementation and fake as
     <name>, with nothing between torch's dispatcher and `impl` (custom_op's wrappers: its
     autograd kernel, a redispatch, an aliasing check, Dynamo's disable) and no autograd. What
-    a graph that torch.compile traces through a `traced` Function calls (see the module)."""
+    compiled graphs call: inside a `traced` Function, or through `forward_road` (the module's
+    road 2)."""
     schema = torch.library.infer_schema(impl, mutates_args=())
     _library.define(f"_{name}{schema}")
     for key in ("CPU", "CUDA"):
