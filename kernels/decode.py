@@ -34,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gemv, int8
+from kernels import gemv, int8, runtime
 from kernels.attention import check_attention_inputs
 from kernels.batch_invariant import split_kv_attention
 from kernels.launch import cdiv, launch, next_power_of_2
-from kernels.primitives import swiglu
+from kernels.primitives import swiglu, wait_for_previous
 from kernels.runtime import processors
 from kernels.split_k import product
 from kernels.validate import check_tensor
@@ -48,9 +48,10 @@ from kernels.validate import check_tensor
 def rotary_kv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, pos_ptr,
     S, H, HKV, stride_cb, stride_ch, stride_ct,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     # One program per (token, head); heads 0..H-1 are queries, then Hkv keys, then Hkv values.
+    wait_for_previous(PDL)  # dependent launch (kernels.primitives): qkv is the GEMV's output
     token = tl.program_id(0)  # b * S + s
     head = tl.program_id(1)
     b = token // S
@@ -126,7 +127,8 @@ def rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_hea
     launch(rotary_kv_kernel, grid,
            qkv, cos, sin, q, k_cache, v_cache, rows, pos, S, n_heads, n_kv_heads,
            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-           HALF=hd // 2, BLOCK=next_power_of_2(hd // 2))  # fmt: skip
+           HALF=hd // 2, BLOCK=next_power_of_2(hd // 2), PDL=runtime.PDL,
+           launch_pdl=runtime.PDL)  # fmt: skip
     return q
 
 
@@ -146,7 +148,8 @@ def rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv
 
 
 @triton.jit
-def silu_mul_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr):
+def silu_mul_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous(PDL)  # gate_up is the GEMV's output
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F
@@ -172,7 +175,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     block = min(1024, next_power_of_2(F))
-    launch(silu_mul_kernel, (rows, cdiv(F, block)), gate_up, out, F, BLOCK=block)
+    launch(silu_mul_kernel, (rows, cdiv(F, block)), gate_up, out, F, BLOCK=block,
+           PDL=runtime.PDL, launch_pdl=runtime.PDL)  # fmt: skip
     return out
 
 

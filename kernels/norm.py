@@ -18,12 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import norm_long
+from kernels import norm_long, runtime
 from kernels.launch import Launcher, aligned, int_class, next_power_of_2
 from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
 from kernels.operators import dense_like, one_output, operator, register_autograd
+from kernels.primitives import wait_for_previous
 from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
 # Rows up to MAX_COLS are kept whole in registers (the kernels below); longer rows take
@@ -35,8 +36,9 @@ MAX_COLS = norm_long.LONG_ROW_COLS
 def rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, x_stride, y_stride, eps,
     residual_ptr, h_ptr, r_stride, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False,
-    SAVE_STATS: tl.constexpr = True,
+    SAVE_STATS: tl.constexpr = True, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(PDL)  # dependent launch (kernels.primitives): x is the kernel before's
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -122,17 +124,19 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
     # the key fixes the keywords (BLOCK, SAVE_STATS, HAS_RESIDUAL and num_warps follow from
     # it): after a key's first launch, launch_kept needs none of them built
     key = forward_key(x2, weight, block, save_stats)
+    pdl = runtime.PDL
     if bias is None:
         r2 = x2 if residual is None else as_rows(residual)  # x2 stands in, never read
         h2 = y2 if h is None else h.view(n_rows, n_cols)
         stats = y2 if rstd is None else rstd  # stands in, never written
+        key += (pdl,)
         if residual is not None:
             key += (aligned(r2), int_class(r2.stride(0)))
         args = (x2, weight, y2, stats, n_cols, x2.stride(0), n_cols, eps, r2, h2, r2.stride(0))
         if not _launch_rms_norm.launch_kept(key, (n_rows,), *args):
             _launch_rms_norm(
                 key, (n_rows,), *args, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                SAVE_STATS=save_stats, num_warps=num_warps(block, 32),
+                SAVE_STATS=save_stats, num_warps=num_warps(block, 32), PDL=pdl, launch_pdl=pdl,
             )  # fmt: skip
     else:
         key += (aligned(bias),)

@@ -10,6 +10,8 @@
 - grouped_tile: the order in which a matmul's programs visit output tiles (both matmuls).
 - epilogue: bias and activation applied to a matmul's fp32 tile before its one store.
 - matmul_launch_metadata: what a profiler shows for a launch of any of the matmul kernels.
+- wait_for_previous, prefetch_l2: programmatic dependent launch (below), for the kernels of a
+  decoding step.
 - attention's forward and backward kernels share the grid's (batch, head) addressing
   (head_index, head_tile: grouped-query heads included), the padded head dim's mask
   (tile_mask), the causal rule (causal_sees, key_mask), the key ranges of a query
@@ -221,3 +223,38 @@ def matmul_launch_metadata(grid, kernel, args) -> dict:
         "flops": 2.0 * M * N * K,
         "bytes": es * (M * K + K * N + M * N + bias_elements),
     }
+
+
+# Programmatic dependent launch (Hopper and later; CUDA's "PDL"). A kernel launched with
+# `launch_pdl=True` may start while the kernel before it in the stream is still running: its
+# programs are placed on the SMs and run up to `gdc_wait`, which returns once the previous
+# kernel has finished and its writes are visible. What comes before the wait overlaps the
+# previous kernel's tail: the launch itself, and loads of what that kernel cannot have written
+# (a decode GEMV's weights). `gdc_launch_dependents` lets the next kernel start the same way.
+# A decoding step is a chain of a few hundred kernels of a few microseconds each (Chapter 6),
+# so what each launch costs between two kernels is a large part of the step.
+# The rule that keeps it correct: a kernel launched this way reads and writes nothing the
+# previous kernel may write before its wait (prefetch_l2 reads nothing into registers: it is
+# safe anywhere). Since every program waits, a kernel cannot finish before the one before it
+# has: a kernel two back is finished too.
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel in the stream has finished (its writes visible),
+    then let the next kernel start launching. Without: nothing (the launch itself waits)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the memory at `ptrs` (any valid addresses) to be brought into L2 (PTX
+    prefetch.global.L2), and go on without waiting for it. Nothing lands in registers, so a
+    write to those addresses by another kernel, later, is seen by a later load: L2 is where
+    every SM's writes meet. Compiled kernels only (the interpreter has no inline assembly)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // $0 unused", "=r,l", [ptrs], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip

@@ -29,6 +29,19 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE: torch.device = torch.device("cuda" if ON_GPU else "cpu")
 
 
+def _dependent_launch() -> bool:
+    """Whether the decode kernels use programmatic dependent launch (Hopper and later, compiled
+    kernels; KERNELS_PDL=0 turns it off): see kernels.primitives.wait_for_previous."""
+    if not ON_GPU or INTERPRET or os.environ.get("KERNELS_PDL", "1") in ("", "0"):
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+# Read at each launch (kernels.split_k, kernels.decode, kernels.norm, the split-KV attention):
+# setting kernels.runtime.PDL = False turns it off for the launches after.
+PDL: bool = _dependent_launch()
+
+
 def _interpreter_scalars_as_index() -> None:
     """Triton's interpreter before 3.7 turns a scalar argument into a Python int (a loop bound:
     `range(0, K, BLOCK_K)`) with int() of a one-element array, which numpy 2.4 and later refuse

@@ -30,14 +30,14 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources, PTXASError
 
-from kernels import arrivals
+from kernels import arrivals, runtime
 from kernels import split_k_tuning as tuning
 from kernels.arrivals import last_to_arrive
 from kernels.bench import l2_bytes, rotating_copies, rotating_graph_ms
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.matmul_reference import matmul_ref
 from kernels.operators import forward_road, operator
-from kernels.primitives import add_combine, epilogue, swiglu
+from kernels.primitives import add_combine, epilogue, prefetch_l2, swiglu, wait_for_previous
 from kernels.runtime import INTERPRET
 from kernels.validate import check_matmul_inputs, input_precision
 
@@ -92,6 +92,7 @@ def split_k_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
     # Row tiles vary fastest: the programs that share a slab of b (a decode weight) run together
     # and read it from DRAM once.
@@ -114,6 +115,13 @@ def split_k_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows_in[:, None] * stride_am + (k_start + ks)[None, :] * stride_ak
     b_ptrs = b_ptr + (k_start + ks)[:, None] * stride_bk + cols_in[None, :] * stride_bn
+    if PDL:  # dependent launch (kernels.primitives): while the kernel before (a norm, attention)
+        # finishes, ask for the first PREFETCH_ROWS lines of LINE elements of this piece's
+        # weight columns (K-contiguous for a decode weight) to be brought into L2
+        if PREFETCH_ROWS > 0:
+            lines = tl.minimum(k_start + tl.arange(0, PREFETCH_ROWS) * LINE, K - 1)
+            prefetch_l2(b_ptr + lines[:, None] * stride_bk + cols_in[None, :] * stride_bn)
+        wait_for_previous(PDL)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # this piece of K, in order
@@ -175,8 +183,9 @@ def sum_partials(part_ptrs, split_stride, splits, mask):
 def split_k_reduce_kernel(
     part_ptr, out_ptr, scale_ptr, bias_ptr, M, N, splits, split_stride, stride_cm, stride_cn,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(PDL)  # the partials are the kernel before's
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -221,12 +230,13 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
     tiles = cdiv(M, tile.BLOCK_M) * cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
     count = arrivals.counters(a.device, tiles) if last_piece_sums(plan) else None
+    pdl = runtime.PDL
     launch(split_k_kernel, (tiles * plan.splits,),
         a, b, out, parts, scale, bias, out if count is None else count, M, N, K,
         plan.k_per_split, *a.stride(), *b.stride(), *out.stride(),
         DIRECT=plan.splits == 1, LAST_SUMS=count is not None, EVEN_K=K % tile.BLOCK_K == 0,
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
-        **flags, **meta,
+        **flags, **meta, **dependent_launch(b, plan, pdl),
     )  # fmt: skip
     if plan.splits > 1 and count is None:  # too many partials, or no counters: a second launch sums
         block_m = min(16, next_power_of_2(M))
@@ -234,9 +244,28 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
         grid = (cdiv(N, block_n), cdiv(M, block_m))
         launch(split_k_reduce_kernel, grid,
             parts, out, scale, bias, M, N, plan.splits, parts.stride(0), *out.stride(),
-            **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+            **flags, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out
+
+
+# Bytes of weight a program asks for in L2 before the kernel before it has finished (under
+# dependent launch): 64 KB, the first lines of its piece of K. SmolLM2's 576-long rows fit in
+# about that at 64 columns; a longer piece streams the rest as before.
+PREFETCH_BYTES = 1 << 16
+
+
+def dependent_launch(b: torch.Tensor, plan, pdl: bool) -> dict:
+    """split_k_kernel's dependent-launch keywords (every one passed: a defaulted keyword would
+    send each launch down Triton's own path, kernels.launch). With `pdl`, the weight b (K, N)
+    is prefetched in lines of 128 bytes along K, as many as the piece has up to PREFETCH_BYTES
+    a program (a power of two)."""
+    if not pdl:
+        return dict(PDL=False, launch_pdl=False, PREFETCH_ROWS=0, LINE=64)
+    line = 128 // b.element_size()
+    rows = min(cdiv(plan.k_per_split, line), PREFETCH_BYTES // (128 * plan.tile.BLOCK_N))
+    return dict(PDL=True, launch_pdl=True, PREFETCH_ROWS=next_power_of_2(rows) if rows else 0,
+                LINE=line)  # fmt: skip
 
 
 def _with_splits(plan, K: int, splits: int):

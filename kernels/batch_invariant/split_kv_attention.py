@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import arrivals
+from kernels import arrivals, runtime
 from kernels.arrivals import last_to_arrive
 from kernels.attention import attention_ref as course_attention_ref
 from kernels.attention import check_attention_inputs
@@ -33,7 +33,7 @@ from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
 from kernels.launch import cdiv, launch
 from kernels.operators import forward_road, operator
-from kernels.primitives import LOG2E
+from kernels.primitives import LOG2E, wait_for_previous
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import input_precision
 
@@ -83,8 +83,9 @@ def attention_split_kernel(
     HAS_KV_LENS: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(PDL)  # dependent launch (kernels.primitives): q and the new keys
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,9 +192,10 @@ def combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, rows, row_ok, n_splits, D,
 @triton.jit(do_not_specialize=["n_rows", "n_splits"], launch_metadata=combine_metadata)
 def attention_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     # One (batch, head, query) row per lane, its splits combined in order.
+    wait_for_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, rows, rows < n_rows, n_splits, D, BLOCK_D)
 
@@ -249,11 +251,13 @@ def _attention(
         LAST_COMBINES=count is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=split_stages(q.dtype, block_d),
+        PDL=runtime.PDL, launch_pdl=runtime.PDL,
     )  # fmt: skip
     if count is None:
         launch(attention_combine_kernel, (cdiv(n_rows, cfg["BLOCK_R"]),),
             part_m, part_l, part_acc, out, n_rows, n_splits, D,
             BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
+            PDL=runtime.PDL, launch_pdl=runtime.PDL,
         )  # fmt: skip
     return out
 

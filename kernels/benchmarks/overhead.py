@@ -132,7 +132,7 @@ def rms_norm_ladder(rows: int = 64, cols: int = 4096) -> dict:
     y, rstd = torch.empty_like(x), torch.empty(rows, device=DEVICE)
     block = triton.next_power_of_2(cols)
     args = (x, w, y, rstd, cols, cols, cols, 1e-6, x, y, cols)
-    meta = {"BLOCK": block, "HAS_RESIDUAL": False, "SAVE_STATS": True}
+    meta = {"BLOCK": block, "HAS_RESIDUAL": False, "SAVE_STATS": True, "PDL": False}
     meta["num_warps"] = norm.num_warps(block, 32)
 
     def grad_inputs():
@@ -280,7 +280,7 @@ def _triton_op_block():
             block = triton.next_power_of_2(cols)
             wrap_triton(norm.rms_norm_fwd_kernel)[(rows,)](
                 x, w, y, rstd, cols, x.stride(0), cols, 1e-6, x, y, x.stride(0),
-                BLOCK=block, HAS_RESIDUAL=False, SAVE_STATS=True,
+                BLOCK=block, HAS_RESIDUAL=False, SAVE_STATS=True, PDL=False,
                 num_warps=norm.num_warps(block, 32),
             )  # fmt: skip
             # every constexpr passed: Inductor (torch 2.11) drops a defaulted one that is not
