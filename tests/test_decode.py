@@ -73,15 +73,25 @@ def test_silu_mul_rejects_an_odd_last_dim():
         decode.silu_mul(torch.zeros((2, 3), device=DEVICE))
 
 
+@pytest.mark.parametrize("swiglu_in_gemv", [False, True], ids=["silu_mul", "swiglu_in_gemv"])
 @pytest.mark.parametrize("weights", ["float", "int8"])
-def test_the_fused_model_path_matches_the_unfused_one(weights):
+def test_the_fused_model_path_matches_the_unfused_one(weights, swiglu_in_gemv, monkeypatch):
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
-    gives the logits of the layer-by-layer path (torch's backend, same weights), token by token
-    over a prefill and two decode steps, with rows at different positions too."""
+    (SwiGLU's product in its own kernel, or inside the down GEMV) gives the logits of the
+    layer-by-layer path (torch's backend, same weights), token by token over a prefill and two
+    decode steps, with rows at different positions too."""
     from kernels import llm
     from kernels.llm import quant
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
+    for layer in model.layers:
+        layer.swiglu_in_gemv = swiglu_in_gemv
+    if swiglu_in_gemv:  # the product's own kernel must not run
+
+        def refuse(*args):
+            raise AssertionError("silu_mul ran: SwiGLU's product was not inside the GEMV")
+
+        monkeypatch.setattr(decode, "silu_mul", refuse)
     reference = llm.load_model("tiny", device=DEVICE, backend="torch")
     reference.load_state_dict(model.state_dict())
     if weights == "int8":

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import batch_invariant, decode
+from kernels import batch_invariant, decode, gemv
 from kernels.llm import ops
 from kernels.llm.config import ModelConfig
 
@@ -84,6 +84,8 @@ def fused_project(x, block, names):
 
 
 class Block(nn.Module):
+    swiglu_in_gemv = False  # the course's backend: SwiGLU's product inside the down GEMV
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
@@ -149,10 +151,14 @@ class Block(nn.Module):
         if not fused:
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
             return x, self._reduced(project(act, self.w_down, backend))  # SwiGLU
-        # SwiGLU's product in a kernel of its own: formed inside the down GEMV's loads
-        # (decode.swiglu_linear) it saves that launch but costs more on an H200 at one row
-        # (speed.down_projection_ms times both): every column tile of the GEMV recomputes it.
+        # SwiGLU's product in a kernel of its own, or (swiglu_in_gemv) formed inside the down
+        # GEMV's loads (decode.swiglu_linear): one launch fewer, but every column tile of the
+        # GEMV recomputes it (speed.down_projection_ms times both, the chapter the whole step).
         gate_up = fused_project(h, self, ("w_gate", "w_up"))  # (B, S, 2F)
+        if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
+            scale = getattr(self.w_down, "scale", None)
+            down = decode.swiglu_linear(gate_up.view(B * S, -1), self.w_down.weight, scale)
+            return x, self._reduced(down.view(B, S, -1))
         return x, self._reduced(project(decode.silu_mul(gate_up), self.w_down, backend))
 
     def _reduced(self, partial):
