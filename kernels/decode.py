@@ -35,13 +35,14 @@ import triton
 import triton.language as tl
 
 from kernels import gemv, int8, runtime
+from kernels import norm as course_norm
 from kernels.attention import check_attention_inputs
 from kernels.batch_invariant import split_kv_attention
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.primitives import swiglu, wait_for_previous
 from kernels.runtime import processors
 from kernels.split_k import product
-from kernels.validate import check_tensor
+from kernels.validate import check_row_vector, check_same, check_tensor
 
 
 @triton.jit
@@ -210,6 +211,49 @@ def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -
     if scale is not None:
         return int8.linear_ref(act, weight, scale)
     return gemv.linear_ref(act, weight)
+
+
+def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_sum=True):
+    """(y, h) with h = x + residual (rounded to x's dtype), y = rms_norm(h) * norm_weight @
+    weight.T: the residual add and RMSNorm that come before a projection, formed inside the
+    decode GEMV's loads (kernels.split_k's NORM tiles), so that the norm needs no launch of its
+    own. x, residual (M, K) contiguous, M <= kernels.gemv.MAX_ROWS (every program sums its rows'
+    squares over all of K first: cheap for a decoding step's few rows); norm_weight (K,);
+    weight (N, K) in x's dtype, or int8 with its `scale` (N,) (kernels.int8.quantize). h is
+    None without `keep_sum` (the head's norm: nothing reads the stream after it). The same
+    values as kernels.norm.add_rms_norm then the GEMV, but not always the same bits: the
+    squares are summed in BLOCK_K pieces, not in one row-wide sum."""
+    check_tensor("x", x, ndim=2)
+    check_same("x and residual", x, residual)
+    check_row_vector("norm_weight", norm_weight, x)
+    M = x.shape[0]
+    if not x.is_contiguous() or not residual.is_contiguous():
+        raise ValueError("norm_linear takes contiguous x and residual")
+    if M > gemv.MAX_ROWS:
+        raise ValueError(f"norm_linear is for a decoding step's rows (M <= {gemv.MAX_ROWS}), "
+                         f"got M = {M}: use kernels.norm.add_rms_norm, then a matmul")  # fmt: skip
+    if scale is None:
+        gemv.check_linear_inputs(x, weight, None)
+        kind = "gemv"
+    else:
+        int8.check_int8_inputs(x, weight, scale, None)
+        kind, scale = "int8", scale.contiguous()
+    h = torch.empty_like(x) if keep_sum else None
+    g = norm_weight.contiguous()
+    if M == 0 or x.shape[1] == 0:  # nothing to normalize over: the unfused path's answer
+        y, h0 = course_norm.add_rms_norm(x, residual, g, eps)
+        out = int8.linear(y, weight, scale) if scale is not None else gemv.linear(y, weight)
+        return out, (h0 if keep_sum else None)
+    y = product(x, weight.t(), kind=kind, scale=scale, norm=(residual, g, float(eps), h))
+    return y, h
+
+
+def norm_linear_ref(x, residual, norm_weight, eps: float, weight, scale=None):
+    """(y, h) from kernels.norm's add_rms_norm reference, then the GEMV's, in fp64."""
+    y, h = course_norm.add_rms_norm_ref(x, residual, norm_weight, eps)
+    if scale is not None:
+        return int8.linear_ref(y, weight, scale), h
+    return gemv.linear_ref(y, weight), h
 
 
 def decode_split(Sk: int, kv_heads: int, sms: int | None = None) -> int:

@@ -82,12 +82,39 @@ def load_a(a_ptrs, mask, K, stride_ak, GATED: tl.constexpr):
     return tl.load(a_ptrs, mask=mask, other=0.0)
 
 
+@triton.jit
+def rms_of_sum(x_ptr, r_ptr, s_ptr, rows, row_ok, K, stride_m, stride_k, eps, write,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """1 / rms over all K of each row of s = x + r, s rounded to x's dtype as kernels.norm's
+    add_rms_norm rounds it (fp32 sums, in BLOCK_K pieces); s also stored where `write`."""
+    ks = tl.arange(0, BLOCK_K)
+    squares = tl.zeros(rows.shape, dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m = row_ok & ((k0 + ks) < K)[None, :]
+        offsets = rows[:, None] * stride_m + (k0 + ks)[None, :] * stride_k
+        x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+        h = (x + r).to(x_ptr.dtype.element_ty)
+        tl.store(s_ptr + offsets, h, mask=m & write)
+        h = h.to(tl.float32)
+        squares += tl.sum(h * h, axis=1)
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def normed(x, r, g, rstd):
+    """rms_norm(x + r) * g for a tile, as kernels.norm's add_rms_norm computes and rounds it."""
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return (h.to(tl.float32) * rstd[:, None] * g.to(tl.float32)[None, :]).to(x.dtype)
+
+
 # M is not specialized: Triton would compile other code for M == 1 or M % 16 == 0, and one
 # kernel for every M is the point (kernels.batch_invariant.full_k_matmul does the same).
 @triton.jit(do_not_specialize=["M"], launch_metadata=split_k_metadata)
 def split_k_kernel(
     a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, bias_ptr, count_ptr, M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    res_ptr, g_ptr, stream_ptr, eps, NORM: tl.constexpr,  # 0, 1 (normalize), 2 (and store)
     DIRECT: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
@@ -122,16 +149,30 @@ def split_k_kernel(
             lines = tl.minimum(k_start + tl.arange(0, PREFETCH_ROWS) * LINE, K - 1)
             prefetch_l2(b_ptr + lines[:, None] * stride_bk + cols_in[None, :] * stride_bn)
         wait_for_previous(PDL)
+    if NORM:  # a is rms_norm(a + res) * g (kernels.decode.norm_linear): every program needs
+        # its rows' rstd over all of K first; the first column tile's first piece stores a + res
+        r_ptrs = res_ptr + rows_in[:, None] * stride_am + (k_start + ks)[None, :] * stride_ak
+        g_ptrs = g_ptr + k_start + ks
+        rstd = rms_of_sum(a_ptr, res_ptr, stream_ptr, rows_in, row_ok, K, stride_am, stride_ak,
+                          eps, (NORM == 2) & (pid_n == 0) & (split == 0), BLOCK_K)  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # this piece of K, in order
         if EVEN_K:  # K a multiple of BLOCK_K, so is every piece: no masks along K
             a = load_a(a_ptrs, row_ok, K, stride_ak, GATED)
             b = tl.load(b_ptrs)
+            if NORM:
+                a = normed(a, tl.load(r_ptrs, mask=row_ok, other=0.0), tl.load(g_ptrs), rstd)
         else:
             k_ok = ks < k_end - k0
             a = load_a(a_ptrs, row_ok & k_ok[None, :], K, stride_ak, GATED)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            if NORM:
+                r = tl.load(r_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+                a = normed(a, r, tl.load(g_ptrs, mask=k_ok, other=0.0), rstd)
+        if NORM:
+            r_ptrs += BLOCK_K * stride_ak
+            g_ptrs += BLOCK_K
         b = b.to(a.dtype)  # int8 weights: exact in fp16/bf16/fp32 (|q| <= 127)
         if USE_DOT:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
@@ -213,9 +254,10 @@ def last_piece_sums(plan) -> bool:
     return 1 < plan.splits and plan.splits * tile.BLOCK_M * tile.BLOCK_N <= LAST_SUM_MAX_ELEMENTS
 
 
-def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> torch.Tensor:
+def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=None):
     """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0; gated: a is (M, 2K),
-    gate then up, and the product is silu(gate) * up @ b."""
+    gate then up, and the product is silu(gate) * up @ b; norm: (res, g, eps, stream), the
+    product is rms_norm(a + res) * g @ b, with a + res stored into stream (or not: None)."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     tile = plan.tile
     out = a.new_empty((M, N))
@@ -227,14 +269,18 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False) -> tor
     )
     scale = out if scale is None else scale
     bias = out if bias is None else bias
+    res, g, eps, stream = norm or (a, a, 0.0, None)  # a stands in, never read
+    norm_flag = 0 if norm is None else 1 if stream is None else 2
+    stream = out if stream is None else stream  # stands in, never written
     tiles = cdiv(M, tile.BLOCK_M) * cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
     count = arrivals.counters(a.device, tiles) if last_piece_sums(plan) else None
     pdl = runtime.PDL
     launch(split_k_kernel, (tiles * plan.splits,),
         a, b, out, parts, scale, bias, out if count is None else count, M, N, K,
-        plan.k_per_split, *a.stride(), *b.stride(), *out.stride(),
-        DIRECT=plan.splits == 1, LAST_SUMS=count is not None, EVEN_K=K % tile.BLOCK_K == 0,
+        plan.k_per_split, *a.stride(), *b.stride(), *out.stride(), res, g, stream, float(eps),
+        NORM=norm_flag, DIRECT=plan.splits == 1, LAST_SUMS=count is not None,
+        EVEN_K=K % tile.BLOCK_K == 0,
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
         **flags, **meta, **dependent_launch(b, plan, pdl),
     )  # fmt: skip
@@ -275,11 +321,14 @@ def _with_splits(plan, K: int, splits: int):
     return tuning.Plan(plan.tile, cdiv(steps, per), per * plan.tile.BLOCK_K)
 
 
-def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False):
+def product(
+    a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False, norm=None
+):
     """act(a @ b * scale + bias) for validated operands through the plan that
     kernels.split_k_tuning picks for (kind, N, K, the dtypes, the device): the launcher behind
-    matmul_split_k, kernels.gemv.linear, kernels.int8.linear and (gated: a is (M, 2K), the
-    product is silu(gate) * up @ b) kernels.decode.swiglu_linear."""
+    matmul_split_k, kernels.gemv.linear, kernels.int8.linear, (gated: a is (M, 2K), the
+    product is silu(gate) * up @ b) kernels.decode.swiglu_linear and (norm: see _run; a and
+    res contiguous, stream like a) kernels.decode.norm_linear."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
@@ -304,7 +353,7 @@ def product(a, b, *, kind, scale=None, bias=None, activation=None, splits=None, 
     plan = tuning.plan(kind, N, K, key, time_plan, remember=not capturing)
     if splits is not None:
         plan = _with_splits(plan, K, splits)
-    return _run(a, b, plan, scale, bias, activation, gated)
+    return _run(a, b, plan, scale, bias, activation, gated, norm)
 
 
 def check_splits(splits):

@@ -92,6 +92,9 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, swiglu_in_gemv, m
             raise AssertionError("silu_mul ran: SwiGLU's product was not inside the GEMV")
 
         monkeypatch.setattr(decode, "silu_mul", refuse)
+    calls = []  # the norms inside the GEMVs (Block.norm_in_gemv, the default) ran
+    norm_linear = decode.norm_linear
+    monkeypatch.setattr(decode, "norm_linear", lambda *a: calls.append(1) or norm_linear(*a))
     reference = llm.load_model("tiny", device=DEVICE, backend="torch")
     reference.load_state_dict(model.state_dict())
     if weights == "int8":
@@ -109,6 +112,7 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, swiglu_in_gemv, m
             torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-5)
     assert "_fused" in model.layers[0].__dict__  # the fused path ran
+    assert len(calls) == 3 * (2 * model.config.n_layers - 1 + 1)  # all but layer 0's first
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -132,6 +136,52 @@ def test_swiglu_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weight
         act = decode.silu_mul(gate_up)
         two = gemv.linear(act, weight) if scale is None else int8.linear(act, weight, scale)
         assert torch.equal(out, two)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 33, 70), (3, 64, 200), (17, 5, 31)], ids=str)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_norm_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weights):
+    """rms_norm(x + residual) * g @ W.T in the GEMV's loads: against fp64, against
+    add_rms_norm then the GEMV (the squares summed in other pieces: within rounding), and the
+    residual stream x + residual stored bit for bit as add_rms_norm stores it."""
+    from kernels import gemv, int8, norm
+
+    M, N, K = shape
+    x = check.random_tensor((M, K), dtype, seed=7, scale=2.0)
+    residual = check.random_tensor((M, K), dtype, seed=8)
+    g = check.random_tensor((K,), dtype, seed=9)
+    weight = check.random_tensor((N, K), dtype, seed=10, scale=K**-0.5)
+    scale = None
+    if weights == "int8":
+        weight, scale = int8.quantize(weight.float())
+    y, h = decode.norm_linear(x, residual, g, 1e-5, weight, scale)
+    y_ref, h_ref = decode.norm_linear_ref(x, residual, g, 1e-5, weight, scale)
+    assert y.shape == (M, N) and y.dtype == dtype and torch.equal(h, h_ref)
+    tol = 4 * TOL[dtype]
+    torch.testing.assert_close(y.double(), y_ref.double(), atol=tol, rtol=tol)
+    normed, h_two = norm.add_rms_norm(x, residual, g, 1e-5)
+    two = gemv.linear(normed, weight) if scale is None else int8.linear(normed, weight, scale)
+    assert torch.equal(h, h_two)
+    torch.testing.assert_close(y, two, atol=tol, rtol=tol)
+    y_only, none = decode.norm_linear(x, residual, g, 1e-5, weight, scale, keep_sum=False)
+    assert none is None and torch.equal(y_only, y)
+
+
+def test_norm_linear_refuses_bad_inputs_clearly():
+    x = torch.zeros((2, 8), device=DEVICE)
+    w = torch.zeros((4, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="shape"):
+        decode.norm_linear(
+            x, torch.zeros((2, 7), device=DEVICE), torch.ones(8, device=DEVICE), 1e-5, w
+        )
+    with pytest.raises(ValueError, match="last dim"):
+        decode.norm_linear(x, x, torch.ones(7, device=DEVICE), 1e-5, w)
+    with pytest.raises(ValueError, match="M <= 64"):
+        big = torch.zeros((65, 8), device=DEVICE)
+        decode.norm_linear(big, big, torch.ones(8, device=DEVICE), 1e-5, w)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode.norm_linear(x.t().contiguous().t(), x, torch.ones(8, device=DEVICE), 1e-5, w)
 
 
 def test_swiglu_linear_rejects_a_mismatched_weight():

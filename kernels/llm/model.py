@@ -84,7 +84,10 @@ def fused_project(x, block, names):
 
 
 class Block(nn.Module):
-    swiglu_in_gemv = False  # the course's backend: SwiGLU's product inside the down GEMV
+    # the course's backend: a decoding step's norms inside the GEMVs after them; SwiGLU's
+    # product inside the down GEMV
+    norm_in_gemv = True
+    swiglu_in_gemv = False
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -113,22 +116,22 @@ class Block(nn.Module):
         host: the keys are written and read as slices, with no mask and nothing read back)."""
         c = self.c
         B, S, _ = x.shape
-        if delta is None:
-            h = self.attn_norm(x, backend)  # (B, S, D)
-        else:
-            h, x = ops.add_rms_norm(delta, x, self.attn_norm.weight, c.norm_eps, backend)
         # The course's backend fuses what it can (kernels.decode): one GEMV for q, k and v, one
         # kernel that rotates q and k and writes k and v into the cache, one GEMV for gate and
-        # up and one kernel for SwiGLU's product. Not in batch_invariant_mode: its ops are the
-        # Chapter 5 kernels, called one by one.
+        # up and one kernel for SwiGLU's product; for a decoding step's rows (norm_in_gemv) the
+        # residual add and RMSNorm inside the GEMV after them. Not in batch_invariant_mode:
+        # its ops are the Chapter 5 kernels, called one by one.
         fused = backend == "kernels" and not batch_invariant.enabled()
+        in_gemv = fused and self.norm_in_gemv and B * S <= gemv.MAX_ROWS
         if fused and cache is not None:  # the new keys and values go into the cache directly
             k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
-            qkv = fused_project(h, self, ("wq", "wk", "wv"))  # (B, S, (H + 2 Hkv) * hd)
+            names = ("wq", "wk", "wv")
+            qkv, x = self._normed_project(x, delta, self.attn_norm, names, in_gemv, backend)
             q = decode.rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos,
                                  c.n_heads, c.n_kv_heads)  # (B, H, S, hd) # fmt: skip
             y = self.attend(q, cache, backend)
         else:
+            h, x = self._norm(x, delta, self.attn_norm, backend)  # (B, S, D)
             q = project(h, self.wq, backend).view(B, S, c.n_heads, c.head_dim)
             k = project(h, self.wk, backend).view(B, S, c.n_kv_heads, c.head_dim)
             v = project(h, self.wv, backend).view(B, S, c.n_kv_heads, c.head_dim)
@@ -147,19 +150,39 @@ class Block(nn.Module):
                 y = self.attend(q, cache, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
         attended = self._reduced(project(y, self.wo, backend))
-        h, x = ops.add_rms_norm(attended, x, self.mlp_norm.weight, c.norm_eps, backend)
         if not fused:
+            h, x = ops.add_rms_norm(attended, x, self.mlp_norm.weight, c.norm_eps, backend)
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
             return x, self._reduced(project(act, self.w_down, backend))  # SwiGLU
         # SwiGLU's product in a kernel of its own, or (swiglu_in_gemv) formed inside the down
         # GEMV's loads (decode.swiglu_linear): one launch fewer, but every column tile of the
         # GEMV recomputes it (speed.down_projection_ms times both, the chapter the whole step).
-        gate_up = fused_project(h, self, ("w_gate", "w_up"))  # (B, S, 2F)
+        names = ("w_gate", "w_up")
+        gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
         if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
             scale = getattr(self.w_down, "scale", None)
             down = decode.swiglu_linear(gate_up.view(B * S, -1), self.w_down.weight, scale)
             return x, self._reduced(down.view(B, S, -1))
         return x, self._reduced(project(decode.silu_mul(gate_up), self.w_down, backend))
+
+    def _norm(self, x, delta, norm, backend):
+        """(rms_norm(x + delta), x + delta); delta None: x is the whole stream."""
+        if delta is None:
+            return norm(x, backend), x
+        return ops.add_rms_norm(delta, x, norm.weight, self.c.norm_eps, backend)
+
+    def _normed_project(self, x, delta, norm, names, in_gemv, backend):
+        """(the fused projection `names` of rms_norm(x + delta), x + delta) (B, S, .): in one
+        kernel (kernels.decode.norm_linear) where `in_gemv` and there is a delta to add, else
+        the norm's kernel, then the GEMV."""
+        if not in_gemv or delta is None:
+            h, x = self._norm(x, delta, norm, backend)
+            return fused_project(h, self, names), x
+        B, S, D = x.shape
+        weight, scale = fused_weight(self, names)
+        rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
+        y, h = decode.norm_linear(*rows, norm.weight, self.c.norm_eps, weight, scale)
+        return y.view(B, S, -1), h.view(B, S, D)
 
     def _reduced(self, partial):
         return partial if self.reduce is None else self.reduce(partial)
@@ -275,11 +298,20 @@ class Transformer(nn.Module):
             else:
                 x, delta = layer(x, delta, cos, sin, self.backend,
                                  (cache.k[i], cache.v[i], *layer_cache, shared_start))  # fmt: skip
-        x, _ = ops.add_rms_norm(delta, x, self.norm.weight, self.config.norm_eps, self.backend)
+        head, scale = self.embed.weight, None
+        if not self.config.tied_embeddings:
+            head = self.head.weight
         if hasattr(self, "head_int8"):  # kernels.llm.quant: the head's own int8 copy
-            return ops.linear(x, self.head_int8, self.backend, self.head_scale)
-        head = self.embed.weight if self.config.tied_embeddings else self.head.weight
-        return ops.linear(x, head, self.backend)  # (B, S, V)
+            head, scale = self.head_int8, self.head_scale
+        B, S, D = x.shape
+        eps = self.config.norm_eps
+        in_gemv = self.backend == "kernels" and not batch_invariant.enabled()
+        if in_gemv and Block.norm_in_gemv and B * S <= gemv.MAX_ROWS and delta is not None:
+            rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
+            logits, _ = decode.norm_linear(*rows, self.norm.weight, eps, head, scale, False)
+            return logits.view(B, S, -1)
+        x, _ = ops.add_rms_norm(delta, x, self.norm.weight, eps, self.backend)
+        return ops.linear(x, head, self.backend, scale)  # (B, S, V)
 
 
 def _cache_rows(slots, B, cache_batch, device) -> torch.Tensor:
