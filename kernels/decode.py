@@ -1,4 +1,4 @@
-"""Two small fused kernels that a decoding step needs besides its GEMVs, norms and attention
+"""The small fused kernels that a decoding step needs besides its GEMVs, norms and attention
 (Chapter 6, v2): each replaces a chain of torch ops that a step would otherwise launch once per
 layer.
 
@@ -12,6 +12,9 @@ silu_mul(gate_up): SwiGLU's silu(gate) * up from one fused gate/up projection (M
 swiglu_linear(gate_up, w_down): the same product computed while the down projection's GEMV
   loads its input (kernels.split_k's GATED tiles), bit for bit what silu_mul then
   kernels.gemv.linear give, with one launch fewer: a decode step's rows only (M <= 64).
+norm_linear(x, residual, g, eps, weight): the residual add and RMSNorm before a projection,
+  formed while the GEMV loads its input (kernels.split_k's NORM tiles): (y, x + residual), one
+  launch where kernels.norm.add_rms_norm and the GEMV take two (M <= 64).
 
 attention(q, k, v, kv_lens): one query a row (decode) over a KV cache, with grouped-query
   heads: the GROUP query heads that share a key/value head are one tile of rows, so each key

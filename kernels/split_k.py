@@ -13,6 +13,12 @@ be had). No atomic touches a value: the order of every addition is fixed, so the
 same run to run, and the same either way. With one piece the first kernel applies the epilogue
 and stores the output itself (no partials).
 
+What a decoding step fuses into the loads of a (kernels.decode): SwiGLU's product (GATED: a
+holds gate then up) and the residual add and RMSNorm before a projection (NORM: each program
+first sums its rows' squares of a + res over all of K, then normalizes each tile it loads).
+Under dependent launch (kernels.runtime.PDL) a program asks for its first weight lines in L2
+before it waits for the kernel before it (kernels.primitives.wait_for_previous).
+
 Batch invariance: the number of pieces, and the tile, are functions of (N, K), the dtypes and
 the device (kernels.split_k_tuning), never of M. A row's sum is then cut at the same places
 whatever the batch size, and on tensor cores a row's result does not depend on the other rows
