@@ -216,6 +216,9 @@ def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -
     return gemv.linear_ref(act, weight)
 
 
+NORM_MAX_K = 16384  # norm_linear's longest row: each program holds one row of x and residual
+
+
 def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_sum=True):
     """(y, h) with h = x + residual (rounded to x's dtype), y = rms_norm(h) * norm_weight @
     weight.T: the residual add and RMSNorm that come before a projection, formed inside the
@@ -232,6 +235,9 @@ def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_s
     M = x.shape[0]
     if not x.is_contiguous() or not residual.is_contiguous():
         raise ValueError("norm_linear takes contiguous x and residual")
+    if x.shape[1] > NORM_MAX_K:
+        raise ValueError(f"norm_linear keeps a whole row in registers: at most {NORM_MAX_K} "
+                         f"columns, got {x.shape[1]}")  # fmt: skip
     if M > gemv.MAX_ROWS:
         raise ValueError(f"norm_linear is for a decoding step's rows (M <= {gemv.MAX_ROWS}), "
                          f"got M = {M}: use kernels.norm.add_rms_norm, then a matmul")  # fmt: skip

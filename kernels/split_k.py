@@ -89,22 +89,26 @@ def load_a(a_ptrs, mask, K, stride_ak, GATED: tl.constexpr):
 
 
 @triton.jit
-def rms_of_sum(x_ptr, r_ptr, s_ptr, rows, row_ok, K, stride_m, stride_k, eps, write,
-               BLOCK_K: tl.constexpr):  # fmt: skip
-    """1 / rms over all K of each row of s = x + r, s rounded to x's dtype as kernels.norm's
-    add_rms_norm rounds it (fp32 sums, in BLOCK_K pieces); s also stored where `write`."""
-    ks = tl.arange(0, BLOCK_K)
-    squares = tl.zeros(rows.shape, dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m = row_ok & ((k0 + ks) < K)[None, :]
-        offsets = rows[:, None] * stride_m + (k0 + ks)[None, :] * stride_k
-        x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+def rms_of_sum(x_ptr, r_ptr, s_ptr, first_row, M, K, stride_m, stride_k, eps, write,
+               BLOCK_M: tl.constexpr, ROW: tl.constexpr):  # fmt: skip
+    """1 / rms over all K of rows first_row .. first_row + BLOCK_M - 1 (those below M) of
+    s = x + r, s rounded to x's dtype as kernels.norm's add_rms_norm rounds it, and stored
+    where `write`. A row at a time, whole (ROW >= K, one fp32 sum as the norm kernel's): one
+    trip to memory for a decoding step's one row, where pieces of K would take one each."""
+    ks = tl.arange(0, ROW)
+    k_ok = ks < K
+    rows = first_row + tl.arange(0, BLOCK_M)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for i in range(0, tl.minimum(BLOCK_M, M - first_row)):
+        row = (first_row + i).to(tl.int64)
+        offsets = row * stride_m + ks * stride_k
+        x = tl.load(x_ptr + offsets, mask=k_ok, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + offsets, mask=k_ok, other=0.0).to(tl.float32)
         h = (x + r).to(x_ptr.dtype.element_ty)
-        tl.store(s_ptr + offsets, h, mask=m & write)
+        tl.store(s_ptr + offsets, h, mask=k_ok & write)
         h = h.to(tl.float32)
-        squares += tl.sum(h * h, axis=1)
-    return tl.rsqrt(squares / K + eps)
+        rstd = tl.where(rows == row, tl.rsqrt(tl.sum(h * h, axis=0) / K + eps), rstd)
+    return rstd
 
 
 @triton.jit
@@ -120,7 +124,8 @@ def normed(x, r, g, rstd):
 def split_k_kernel(
     a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, bias_ptr, count_ptr, M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    res_ptr, g_ptr, stream_ptr, eps, NORM: tl.constexpr,  # 0, 1 (normalize), 2 (and store)
+    res_ptr, g_ptr, stream_ptr, eps,
+    NORM: tl.constexpr, ROW: tl.constexpr,  # NORM 0, 1 (normalize), 2 (and store); ROW >= K
     DIRECT: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
@@ -159,8 +164,9 @@ def split_k_kernel(
         # its rows' rstd over all of K first; the first column tile's first piece stores a + res
         r_ptrs = res_ptr + rows_in[:, None] * stride_am + (k_start + ks)[None, :] * stride_ak
         g_ptrs = g_ptr + k_start + ks
-        rstd = rms_of_sum(a_ptr, res_ptr, stream_ptr, rows_in, row_ok, K, stride_am, stride_ak,
-                          eps, (NORM == 2) & (pid_n == 0) & (split == 0), BLOCK_K)  # fmt: skip
+        rstd = rms_of_sum(a_ptr, res_ptr, stream_ptr, pid_m * BLOCK_M, M, K, stride_am,
+                          stride_ak, eps, (NORM == 2) & (pid_n == 0) & (split == 0), BLOCK_M,
+                          ROW)  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # this piece of K, in order
@@ -285,8 +291,8 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
     launch(split_k_kernel, (tiles * plan.splits,),
         a, b, out, parts, scale, bias, out if count is None else count, M, N, K,
         plan.k_per_split, *a.stride(), *b.stride(), *out.stride(), res, g, stream, float(eps),
-        NORM=norm_flag, DIRECT=plan.splits == 1, LAST_SUMS=count is not None,
-        EVEN_K=K % tile.BLOCK_K == 0,
+        NORM=norm_flag, ROW=next_power_of_2(K) if norm else 1, DIRECT=plan.splits == 1,
+        LAST_SUMS=count is not None, EVEN_K=K % tile.BLOCK_K == 0,
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
         **flags, **meta, **dependent_launch(b, plan, pdl),
     )  # fmt: skip

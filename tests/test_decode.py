@@ -73,26 +73,28 @@ def test_silu_mul_rejects_an_odd_last_dim():
         decode.silu_mul(torch.zeros((2, 3), device=DEVICE))
 
 
-@pytest.mark.parametrize("swiglu_in_gemv", [False, True], ids=["silu_mul", "swiglu_in_gemv"])
+@pytest.mark.parametrize("fusion", ["separate", "norm_in_gemv", "swiglu_in_gemv"])
 @pytest.mark.parametrize("weights", ["float", "int8"])
-def test_the_fused_model_path_matches_the_unfused_one(weights, swiglu_in_gemv, monkeypatch):
+def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypatch):
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
-    (SwiGLU's product in its own kernel, or inside the down GEMV) gives the logits of the
-    layer-by-layer path (torch's backend, same weights), token by token over a prefill and two
-    decode steps, with rows at different positions too."""
+    (the norms in their own kernels or inside the GEMVs after them; SwiGLU's product in its
+    own kernel or inside the down GEMV) gives the logits of the layer-by-layer path (torch's
+    backend, same weights), token by token over a prefill and two decode steps, with rows at
+    different positions too."""
     from kernels import llm
     from kernels.llm import quant
+    from kernels.llm.model import Block
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
-    for layer in model.layers:
-        layer.swiglu_in_gemv = swiglu_in_gemv
-    if swiglu_in_gemv:  # the product's own kernel must not run
+    monkeypatch.setattr(Block, "norm_in_gemv", fusion == "norm_in_gemv")
+    monkeypatch.setattr(Block, "swiglu_in_gemv", fusion == "swiglu_in_gemv")
+    if fusion == "swiglu_in_gemv":  # the product's own kernel must not run
 
         def refuse(*args):
             raise AssertionError("silu_mul ran: SwiGLU's product was not inside the GEMV")
 
         monkeypatch.setattr(decode, "silu_mul", refuse)
-    calls = []  # the norms inside the GEMVs (Block.norm_in_gemv, the default) ran
+    calls = []  # the norms inside the GEMVs ran (or did not)
     norm_linear = decode.norm_linear
     monkeypatch.setattr(decode, "norm_linear", lambda *a: calls.append(1) or norm_linear(*a))
     reference = llm.load_model("tiny", device=DEVICE, backend="torch")
@@ -112,7 +114,8 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, swiglu_in_gemv, m
             torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-5)
     assert "_fused" in model.layers[0].__dict__  # the fused path ran
-    assert len(calls) == 3 * (2 * model.config.n_layers - 1 + 1)  # all but layer 0's first
+    in_gemv = 3 * (2 * model.config.n_layers - 1 + 1)  # every norm but layer 0's first
+    assert len(calls) == (in_gemv if fusion == "norm_in_gemv" else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

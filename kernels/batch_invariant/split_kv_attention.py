@@ -33,7 +33,7 @@ from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
 from kernels.launch import cdiv, launch
 from kernels.operators import forward_road, operator
-from kernels.primitives import LOG2E, wait_for_previous
+from kernels.primitives import LOG2E, prefetch_l2, wait_for_previous
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import input_precision
 
@@ -83,15 +83,25 @@ def attention_split_kernel(
     HAS_KV_LENS: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT_SIZE: tl.constexpr, PDL: tl.constexpr = False, LINE: tl.constexpr = 64,
+    LINES: tl.constexpr = 1,
 ):  # fmt: skip
-    wait_for_previous(PDL)  # dependent launch (kernels.primitives): q and the new keys
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     kv_h = h // GROUP  # grouped-query: the key/value head this query head reads, not a copy
+    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
+    if PDL:  # dependent launch (kernels.primitives): while the kernel before (the one that
+        # writes the new key) finishes, ask for this split's keys and values in L2, in lines
+        # of LINE elements (LINES a key)
+        n = tl.minimum(split * SPLIT_SIZE + tl.arange(0, SPLIT_SIZE), Sk - 1).to(tl.int64)
+        lines = tl.minimum(tl.arange(0, LINES) * LINE, D - 1)
+        prefetch_l2(k_base + n[:, None] * stride_ks + lines[None, :])
+        prefetch_l2(v_base + n[:, None] * stride_vs + lines[None, :])
+        wait_for_previous(PDL)  # q and the new key are the kernels before's
     if HAS_KV_LENS:
         kv_len = tl.load(kv_lens_ptr + b)
     else:
@@ -106,8 +116,6 @@ def attention_split_kernel(
         mask=(offs_m[:, None] < Sq) & d_ok,
         other=0.0,
     )
-    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
     lo = split * SPLIT_SIZE
     hi = tl.minimum(lo + SPLIT_SIZE, kv_len)
@@ -251,7 +259,7 @@ def _attention(
         LAST_COMBINES=count is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=split_stages(q.dtype, block_d),
-        PDL=runtime.PDL, launch_pdl=runtime.PDL,
+        **dependent_launch(k, block_d),
     )  # fmt: skip
     if count is None:
         launch(attention_combine_kernel, (cdiv(n_rows, cfg["BLOCK_R"]),),
@@ -260,6 +268,14 @@ def _attention(
             PDL=runtime.PDL, launch_pdl=runtime.PDL,
         )  # fmt: skip
     return out
+
+
+def dependent_launch(k: torch.Tensor, block_d: int) -> dict:
+    """The split kernel's dependent-launch keywords (kernels.runtime.PDL), every one passed:
+    lines of 128 bytes, LINES of them a key of block_d elements."""
+    line = 128 // k.element_size()
+    pdl = runtime.PDL
+    return dict(PDL=pdl, launch_pdl=pdl, LINE=line, LINES=max(1, block_d // line))
 
 
 def split_stages(dtype, block_d: int) -> int:

@@ -86,7 +86,7 @@ def fused_project(x, block, names):
 class Block(nn.Module):
     # the course's backend: a decoding step's norms inside the GEMVs after them; SwiGLU's
     # product inside the down GEMV
-    norm_in_gemv = True
+    norm_in_gemv = False
     swiglu_in_gemv = False
 
     def __init__(self, c: ModelConfig):
@@ -123,6 +123,7 @@ class Block(nn.Module):
         # its ops are the Chapter 5 kernels, called one by one.
         fused = backend == "kernels" and not batch_invariant.enabled()
         in_gemv = fused and self.norm_in_gemv and B * S <= gemv.MAX_ROWS
+        in_gemv = in_gemv and c.d_model <= decode.NORM_MAX_K
         if fused and cache is not None:  # the new keys and values go into the cache directly
             k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
             names = ("wq", "wk", "wv")
@@ -306,7 +307,8 @@ class Transformer(nn.Module):
         B, S, D = x.shape
         eps = self.config.norm_eps
         in_gemv = self.backend == "kernels" and not batch_invariant.enabled()
-        if in_gemv and Block.norm_in_gemv and B * S <= gemv.MAX_ROWS and delta is not None:
+        in_gemv = in_gemv and Block.norm_in_gemv and B * S <= gemv.MAX_ROWS and delta is not None
+        if in_gemv and D <= decode.NORM_MAX_K:
             rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
             logits, _ = decode.norm_linear(*rows, self.norm.weight, eps, head, scale, False)
             return logits.view(B, S, -1)
