@@ -265,3 +265,39 @@ def test_split_kv_attention_combines_in_its_last_split_as_the_combine_kernel_doe
     assert not arrivals.counters(q.device, 1).any()
     monkeypatch.setattr(arrivals, "counters", lambda device, tiles: None)
     assert torch.equal(one_launch, bi.attention(q, k, v, causal=True, kv_lens=lens))
+
+
+@pytest.mark.gpu
+def test_dependent_launch_changes_no_bit_of_a_decoding_step(monkeypatch):
+    """The tiny model's decoding step on the course's kernels, replayed from a CUDA graph with
+    dependent launch (kernels.runtime.PDL: kernels overlap the tail of the one before) and
+    without: the same logits and the same cache, bit for bit; and a chain of GEMVs each
+    reading the one before's output, where a kernel that read too early would differ."""
+    from kernels import gemv, llm, runtime
+    from kernels.llm import speed
+
+    if not runtime.PDL:
+        pytest.skip("dependent launch needs Hopper or later (and KERNELS_PDL not 0)")
+    model = llm.load_model("tiny", device=DEVICE, dtype=torch.bfloat16, backend="kernels")
+    weights = [check.random_tensor((96, 96), torch.bfloat16, seed=s, scale=0.1) for s in range(40)]
+    x0 = check.random_tensor((1, 96), torch.bfloat16, seed=99)
+
+    def chain():
+        x = x0
+        for w in weights:
+            x = gemv.linear(x, w)
+        return x
+
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(runtime, "PDL", pdl)
+        with torch.no_grad():
+            step, _, cache = speed.decode_step(model, 2, 24)
+            replay, logits = speed.capture(step)
+            replay()
+            chain_replay, chained = speed.capture(chain)
+            chain_replay()
+            torch.cuda.synchronize()
+        results[pdl] = (logits.clone(), cache.k.clone(), chained.clone())
+    for off, on in zip(results[False], results[True], strict=True):
+        assert torch.equal(off, on)

@@ -118,3 +118,17 @@ def test_the_interpreter_takes_a_scalar_argument_as_a_loop_bound():
     interpreter._patch_lang_tensor(type("T", (), {}), scope)
     handle = type("Handle", (), {"data": np.array([7], dtype=np.int32)})()
     assert scope.set["__index__"](type("Scalar", (), {"handle": handle})()) == 7
+
+
+def test_dependent_launch_is_off_on_a_cpu_and_with_kernels_pdl_0():
+    code = "import kernels.runtime as r; print(r.PDL)"
+    assert _run(code, CUDA_VISIBLE_DEVICES="").stdout.split()[-1] == "False"
+    assert _run(code, KERNELS_PDL="0").stdout.split()[-1] == "False"
+
+
+@pytest.mark.gpu
+def test_dependent_launch_is_on_from_hopper():
+    import torch
+
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert runtime.PDL == hopper
