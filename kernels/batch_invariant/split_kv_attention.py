@@ -97,10 +97,11 @@ def attention_split_kernel(
     if PDL:  # dependent launch (kernels.primitives): while the kernel before (the one that
         # writes the new key) finishes, ask for this split's keys and values in L2, in lines
         # of LINE elements (LINES a key)
-        n = tl.minimum(split * SPLIT_SIZE + tl.arange(0, SPLIT_SIZE), Sk - 1).to(tl.int64)
-        lines = tl.minimum(tl.arange(0, LINES) * LINE, D - 1)
-        prefetch_l2(k_base + n[:, None] * stride_ks + lines[None, :])
-        prefetch_l2(v_base + n[:, None] * stride_vs + lines[None, :])
+        if LINES > 0:
+            n = tl.minimum(split * SPLIT_SIZE + tl.arange(0, SPLIT_SIZE), Sk - 1).to(tl.int64)
+            lines = tl.minimum(tl.arange(0, LINES) * LINE, D - 1)
+            prefetch_l2(k_base + n[:, None] * stride_ks + lines[None, :])
+            prefetch_l2(v_base + n[:, None] * stride_vs + lines[None, :])
         wait_for_previous(PDL)  # q and the new key are the kernels before's
     if HAS_KV_LENS:
         kv_len = tl.load(kv_lens_ptr + b)
@@ -270,12 +271,17 @@ def _attention(
     return out
 
 
+# Under dependent launch, each split asks for its keys and values in L2 before it waits.
+PREFETCH_KV = True
+
+
 def dependent_launch(k: torch.Tensor, block_d: int) -> dict:
     """The split kernel's dependent-launch keywords (kernels.runtime.PDL), every one passed:
-    lines of 128 bytes, LINES of them a key of block_d elements."""
+    lines of 128 bytes, LINES of them a key of block_d elements (0: no prefetch)."""
     line = 128 // k.element_size()
     pdl = runtime.PDL
-    return dict(PDL=pdl, launch_pdl=pdl, LINE=line, LINES=max(1, block_d // line))
+    lines = max(1, block_d // line) if PREFETCH_KV else 0
+    return dict(PDL=pdl, launch_pdl=pdl, LINE=line, LINES=lines)
 
 
 def split_stages(dtype, block_d: int) -> int:
