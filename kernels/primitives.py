@@ -232,7 +232,11 @@ def matmul_launch_metadata(grid, kernel, args) -> dict:
 # previous kernel's tail: the launch itself, and loads of what that kernel cannot have written
 # (a decode GEMV's weights). `gdc_launch_dependents` lets the next kernel start the same way.
 # A decoding step is a chain of a few hundred kernels of a few microseconds each (Chapter 6),
-# so what each launch costs between two kernels is a large part of the step.
+# so what each launch costs between two kernels is a large part of the step. Measured on an
+# H100 (80GB HBM3, torch 2.11, triton 3.6, 2026-12-06), in CUDA graphs: a chain of 90 GEMVs of
+# 576 x 576, each reading the one before's output, 3.54 us a GEMV without and 2.42 with; a
+# decoding step at SmolLM2's shapes 0.960 ms without and 0.746 with, the llama-1b shape 1.336
+# and 1.229 (bits unchanged: tests/test_decode.py).
 # The rule that keeps it correct: a kernel launched this way reads and writes nothing the
 # previous kernel may write before its wait (prefetch_l2 reads nothing into registers: it is
 # safe anywhere). Since every program waits, a kernel cannot finish before the one before it

@@ -271,7 +271,9 @@ def _attention(
     return out
 
 
-# Under dependent launch, each split asks for its keys and values in L2 before it waits.
+# Under dependent launch, each split asks for its keys and values in L2 before it waits. A
+# small gain on an H100 (2026-12-06, a decoding step at 512 positions in a CUDA graph):
+# SmolLM2's shapes 0.746 ms a step against 0.767 without, the llama-1b shape 1.229 against 1.236.
 PREFETCH_KV = True
 
 
