@@ -177,3 +177,33 @@ def test_graph_and_compiled_steps_on_the_gpu():
     model.backend = "torch"
     ms, _ = speed.compiled_step_ms(model, 2, 16, 5)
     assert ms > 0
+
+
+def test_random_model_has_the_configs_shapes_and_no_file():
+    model = speed.random_model("smollm2-135m", torch.float32, "meta", backend="torch")
+    assert model.backend == "torch"
+    assert sum(p.numel() for p in model.parameters()) == get_config("smollm2-135m").n_params()
+    tiny = speed.random_model("tiny", torch.float32, CPU)
+    assert tiny.backend == "kernels" and not tiny.training
+    assert all(torch.isfinite(p).all() for p in tiny.parameters())
+
+
+@pytest.mark.gpu
+def test_decode_step_rows_rate_a_step_against_its_speed_of_light(monkeypatch):
+    """bench decode's step rows at the tiny config: GB/s of the step's bytes (so % of copy is %
+    of the speed-of-light line), torch's ops and the kernels without dependent launch as
+    baselines of bf16, bf16 as int8's."""
+    from kernels import bench, runtime
+    from kernels.benchmarks import decode
+
+    monkeypatch.setattr(decode, "STEP_MODELS", ("tiny",))
+    monkeypatch.setattr(decode, "STEP_CALLS", 5)
+    pdl = runtime.PDL
+    rows = decode.bench_decode_steps(bench.measure_ceilings())
+    assert runtime.PDL == pdl  # put back
+    bf16, q8 = rows
+    assert bf16["name"] == "decode step tiny B=1 T=512 [graph] bf16" and bf16["unit"] == "GB/s"
+    assert set(bf16["baselines"]) == {"torch's ops", "without dependent launch"}
+    assert set(q8["baselines"]) == {"bf16", "torch's ops bf16"}
+    expected = speed.step_bytes("tiny", 2, 512) / bf16["ms"] / 1e6
+    assert bf16["rate"] == pytest.approx(expected)

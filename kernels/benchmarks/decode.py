@@ -8,6 +8,14 @@ L2 (bench.rotating_graph_ms): how a decode step runs them; [call]: one `time_ms`
 call, which also pays a fixed few microseconds per call (a 33 MB problem tops out near 63% of
 copy that way). Targets (issue 16): M=1 >= 0.85x copy and >= 1.2x cuBLAS [graph], M=16/64 >=
 0.8x copy; int8 at M=1 >= 1.7x the bf16 GEMV. The split-K matmul: >= 0.9x cuBLAS (issue 17).
+
+Then whole decoding steps (kernels.llm, one row at position 511 of a 512-position cache,
+replayed from a CUDA graph, random weights in the models' shapes: the values do not change
+the work), rated in GB/s of the step's bytes (kernels.llm.speed.step_bytes: every weight once
+and the cache): their % of copy is the % of the speed-of-light line. Against torch's ops in the
+same graph and the course's kernels without dependent launch (kernels.runtime.PDL); int8
+weights against bf16. Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape
+>= 65%, its int8 >= 1.6x its bf16.
 """
 
 import torch
@@ -20,6 +28,8 @@ from kernels.runtime import DEVICE
 DECODE_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K): an 8B model's MLP up and down
 DECODE_ROWS = (1, 16, 64)
 SPLIT_K_SHAPE = (256, 256, 524288)  # (M, N, K): KernelBench level 1, "large K"
+STEP_MODELS = ("smollm2-135m", "llama-1b-shape")
+STEP_CONTEXT, STEP_CALLS = 512, 200
 
 
 def _gemv_rows(label, ours, baselines, moved, ceilings):
@@ -82,6 +92,39 @@ def bench_split_k(ceilings):
     ]
 
 
+def bench_decode_steps(ceilings):
+    """A decoding step of each of STEP_MODELS, bf16 and int8, as the module says."""
+    from kernels import runtime
+    from kernels.llm import quant, speed
+
+    rows, T = [], STEP_CONTEXT
+    for name in STEP_MODELS:
+        model = speed.random_model(name, torch.bfloat16, DEVICE)
+        ms = {}
+        for backend, pdl, label in (("torch", runtime.PDL, "torch's ops"),
+                                    ("kernels", False, "without dependent launch"),
+                                    ("kernels", runtime.PDL, "kernels")):  # fmt: skip
+            model.backend, saved, runtime.PDL = backend, runtime.PDL, pdl
+            try:
+                ms[label] = speed.graph_step_ms(model, 1, T, STEP_CALLS)
+            finally:
+                runtime.PDL = saved
+        quant.quantize_int8(model)  # in place, the head included
+        int8_ms = speed.graph_step_ms(model, 1, T, STEP_CALLS)
+        step = f"decode step {name} B=1 T={T} [graph]"
+        bf16 = ms.pop("kernels")
+        rows.append(row(f"{step} bf16", bf16, bytes_moved=speed.step_bytes(name, 2, T),
+                        ceilings=ceilings, dtype="bf16", baselines=ms))  # fmt: skip
+        baselines = {"bf16": bf16, "torch's ops bf16": ms["torch's ops"]}
+        int8_bytes = speed.step_bytes(name, 2, T, int8=True)
+        rows.append(row(f"{step} int8", int8_ms, bytes_moved=int8_bytes, ceilings=ceilings,
+                        dtype="bf16", baselines=baselines))  # fmt: skip
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench_decode(ceilings):
-    """The GEMV rows, then the split-K matmul (GPU only, as every benchmark)."""
-    return bench_gemv(ceilings) + bench_split_k(ceilings)
+    """The GEMV rows, the split-K matmul, then whole decoding steps (GPU only, as every
+    benchmark)."""
+    return bench_gemv(ceilings) + bench_split_k(ceilings) + bench_decode_steps(ceilings)
