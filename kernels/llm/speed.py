@@ -104,19 +104,6 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def random_model(config, dtype, device, backend="kernels"):
-    """A model of `config`'s shapes with random weights (the real model's too): a step's time
-    does not depend on the values, and no weights file is needed ("meta": shapes only)."""
-    from kernels.llm import _init_random
-    from kernels.llm.model import Transformer
-
-    with torch.device(device):
-        model = Transformer(get_config(config), backend).to(dtype)
-    if torch.device(device).type != "meta":
-        _init_random(model, 0)
-    return model.eval()
-
-
 def decode_step(model, batch: int, context: int):
     """(step, tokens, cache): step() decodes one token for `batch` rows at position context - 1
     of a fresh static cache of `context` positions (zeros: the values do not change the work),
