@@ -42,7 +42,7 @@ from kernels import norm as course_norm
 from kernels.attention import check_attention_inputs
 from kernels.batch_invariant import split_kv_attention
 from kernels.launch import cdiv, launch, next_power_of_2
-from kernels.primitives import swiglu, wait_for_previous
+from kernels.primitives import dependent_keywords, swiglu, wait_for_previous
 from kernels.runtime import processors
 from kernels.split_k import product
 from kernels.validate import check_row_vector, check_same, check_tensor
@@ -131,8 +131,8 @@ def rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_hea
     launch(rotary_kv_kernel, grid,
            qkv, cos, sin, q, k_cache, v_cache, rows, pos, S, n_heads, n_kv_heads,
            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-           HALF=hd // 2, BLOCK=next_power_of_2(hd // 2), PDL=runtime.PDL,
-           launch_pdl=runtime.PDL)  # fmt: skip
+           HALF=hd // 2, BLOCK=next_power_of_2(hd // 2),
+           **dependent_keywords(runtime.PDL))  # fmt: skip
     return q
 
 
@@ -180,7 +180,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, next_power_of_2(F))
     launch(silu_mul_kernel, (rows, cdiv(F, block)), gate_up, out, F, BLOCK=block,
-           PDL=runtime.PDL, launch_pdl=runtime.PDL)  # fmt: skip
+           **dependent_keywords(runtime.PDL))  # fmt: skip
     return out
 
 
@@ -227,8 +227,8 @@ def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_s
     squares over all of K first: cheap for a decoding step's few rows); norm_weight (K,);
     weight (N, K) in x's dtype, or int8 with its `scale` (N,) (kernels.int8.quantize). h is
     None without `keep_sum` (the head's norm: nothing reads the stream after it). The same
-    values as kernels.norm.add_rms_norm then the GEMV, but not always the same bits: the
-    squares are summed in BLOCK_K pieces, not in one row-wide sum."""
+    values as kernels.norm.add_rms_norm then the GEMV; the same bits are not promised (each
+    sums a row's squares in one fp32 reduction, whose order Triton lays out per kernel)."""
     check_tensor("x", x, ndim=2)
     check_same("x and residual", x, residual)
     check_row_vector("norm_weight", norm_weight, x)
@@ -247,12 +247,12 @@ def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_s
     else:
         int8.check_int8_inputs(x, weight, scale, None)
         kind, scale = "int8", scale.contiguous()
-    h = torch.empty_like(x) if keep_sum else None
     g = norm_weight.contiguous()
     if M == 0 or x.shape[1] == 0:  # nothing to normalize over: the unfused path's answer
-        y, h0 = course_norm.add_rms_norm(x, residual, g, eps)
+        y, h = course_norm.add_rms_norm(x, residual, g, eps)
         out = int8.linear(y, weight, scale) if scale is not None else gemv.linear(y, weight)
-        return out, (h0 if keep_sum else None)
+        return out, (h if keep_sum else None)
+    h = torch.empty_like(x) if keep_sum else None
     y = product(x, weight.t(), kind=kind, scale=scale, norm=(residual, g, float(eps), h))
     return y, h
 

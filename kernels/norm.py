@@ -24,7 +24,7 @@ from kernels.norm_backward import layer_norm_backward, rms_norm_backward
 from kernels.norm_backward import norm_bwd_kernel as norm_bwd_kernel  # where tests look for it
 from kernels.norm_tuning import as_rows, launch_metadata, num_warps
 from kernels.operators import dense_like, one_output, operator, register_autograd
-from kernels.primitives import wait_for_previous
+from kernels.primitives import dependent_keywords, wait_for_previous
 from kernels.validate import check_row_vector, check_same, check_tensor, needs_grad
 
 # Rows up to MAX_COLS are kept whole in registers (the kernels below); longer rows take
@@ -136,7 +136,7 @@ def _forward(x, weight, bias, eps, residual=None, save_stats=True):
         if not _launch_rms_norm.launch_kept(key, (n_rows,), *args):
             _launch_rms_norm(
                 key, (n_rows,), *args, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                SAVE_STATS=save_stats, num_warps=num_warps(block, 32), PDL=pdl, launch_pdl=pdl,
+                SAVE_STATS=save_stats, num_warps=num_warps(block, 32), **dependent_keywords(pdl),
             )  # fmt: skip
     else:
         key += (aligned(bias),)

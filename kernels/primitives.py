@@ -243,6 +243,13 @@ def matmul_launch_metadata(grid, kernel, args) -> dict:
 # has: a kernel two back is finished too.
 
 
+def dependent_keywords(pdl: bool) -> dict:
+    """A launch's dependent-launch keywords, always the two together: the kernel's PDL (it
+    waits, wait_for_previous) and Triton's launch_pdl (it may start early). A kernel started
+    early that did not wait would read what the kernel before has not written yet."""
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """With PDL: wait until the previous kernel in the stream has finished (its writes visible),

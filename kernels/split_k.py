@@ -43,7 +43,14 @@ from kernels.bench import l2_bytes, rotating_copies, rotating_graph_ms
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.matmul_reference import matmul_ref
 from kernels.operators import forward_road, operator
-from kernels.primitives import add_combine, epilogue, prefetch_l2, swiglu, wait_for_previous
+from kernels.primitives import (
+    add_combine,
+    dependent_keywords,
+    epilogue,
+    prefetch_l2,
+    swiglu,
+    wait_for_previous,
+)
 from kernels.runtime import INTERPRET
 from kernels.validate import check_matmul_inputs, input_precision
 
@@ -302,7 +309,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
         grid = (cdiv(N, block_n), cdiv(M, block_m))
         launch(split_k_reduce_kernel, grid,
             parts, out, scale, bias, M, N, plan.splits, parts.stride(0), *out.stride(),
-            **flags, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
+            **flags, BLOCK_M=block_m, BLOCK_N=block_n, **dependent_keywords(pdl),
         )  # fmt: skip
     return out
 
@@ -321,10 +328,10 @@ def dependent_launch(b: torch.Tensor, plan, pdl: bool) -> dict:
     is prefetched in lines of 128 bytes along K, as many as the piece has up to PREFETCH_BYTES
     a program (a power of two)."""
     if not pdl:
-        return dict(PDL=False, launch_pdl=False, PREFETCH_ROWS=0, LINE=64)
+        return dict(**dependent_keywords(False), PREFETCH_ROWS=0, LINE=64)
     line = 128 // b.element_size()
     rows = min(cdiv(plan.k_per_split, line), PREFETCH_BYTES // (128 * plan.tile.BLOCK_N))
-    return dict(PDL=True, launch_pdl=True, PREFETCH_ROWS=next_power_of_2(rows) if rows else 0,
+    return dict(**dependent_keywords(True), PREFETCH_ROWS=next_power_of_2(rows) if rows else 0,
                 LINE=line)  # fmt: skip
 
 

@@ -33,7 +33,7 @@ from kernels.attention_tuning import block_d as padded_head_dim
 from kernels.batch_invariant.rows import add_combine, max_combine
 from kernels.launch import cdiv, launch
 from kernels.operators import forward_road, operator
-from kernels.primitives import LOG2E, prefetch_l2, wait_for_previous
+from kernels.primitives import LOG2E, dependent_keywords, prefetch_l2, wait_for_previous
 from kernels.runtime import INTERPRET, pick
 from kernels.validate import input_precision
 
@@ -266,7 +266,7 @@ def _attention(
         launch(attention_combine_kernel, (cdiv(n_rows, cfg["BLOCK_R"]),),
             part_m, part_l, part_acc, out, n_rows, n_splits, D,
             BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, num_warps=4,
-            PDL=runtime.PDL, launch_pdl=runtime.PDL,
+            **dependent_keywords(runtime.PDL),
         )  # fmt: skip
     return out
 
@@ -281,9 +281,8 @@ def dependent_launch(k: torch.Tensor, block_d: int) -> dict:
     """The split kernel's dependent-launch keywords (kernels.runtime.PDL), every one passed:
     lines of 128 bytes, LINES of them a key of block_d elements (0: no prefetch)."""
     line = 128 // k.element_size()
-    pdl = runtime.PDL
     lines = max(1, block_d // line) if PREFETCH_KV else 0
-    return dict(PDL=pdl, launch_pdl=pdl, LINE=line, LINES=lines)
+    return dict(**dependent_keywords(runtime.PDL), LINE=line, LINES=lines)
 
 
 def split_stages(dtype, block_d: int) -> int:

@@ -128,8 +128,7 @@ class Block(nn.Module):
         # residual add and RMSNorm inside the GEMV after them. Not in batch_invariant_mode:
         # its ops are the Chapter 5 kernels, called one by one.
         fused = backend == "kernels" and not batch_invariant.enabled()
-        in_gemv = fused and self.norm_in_gemv and B * S <= gemv.MAX_ROWS
-        in_gemv = in_gemv and c.d_model <= decode.NORM_MAX_K
+        in_gemv = norms_in_gemvs(backend, B * S, c.d_model)
         if fused and cache is not None:  # the new keys and values go into the cache directly
             k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
             names = ("wq", "wk", "wv")
@@ -312,14 +311,20 @@ class Transformer(nn.Module):
             head, scale = self.head_int8, self.head_scale
         B, S, D = x.shape
         eps = self.config.norm_eps
-        in_gemv = self.backend == "kernels" and not batch_invariant.enabled()
-        in_gemv = in_gemv and Block.norm_in_gemv and B * S <= gemv.MAX_ROWS and delta is not None
-        if in_gemv and D <= decode.NORM_MAX_K:
+        if delta is not None and norms_in_gemvs(self.backend, B * S, D):
             rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
             logits, _ = decode.norm_linear(*rows, self.norm.weight, eps, head, scale, False)
             return logits.view(B, S, -1)
         x, _ = ops.add_rms_norm(delta, x, self.norm.weight, eps, self.backend)
         return ops.linear(x, head, self.backend, scale)  # (B, S, V)
+
+
+def norms_in_gemvs(backend: str, rows: int, d_model: int) -> bool:
+    """Whether a pass's residual adds and norms go inside the GEMVs after them
+    (kernels.decode.norm_linear): Block.norm_in_gemv, on the course's backend outside
+    batch_invariant_mode, for a decoding step's rows of a width norm_linear holds."""
+    return (Block.norm_in_gemv and backend == "kernels" and not batch_invariant.enabled()
+            and rows <= gemv.MAX_ROWS and d_model <= decode.NORM_MAX_K)  # fmt: skip
 
 
 def _cache_rows(slots, B, cache_batch, device) -> torch.Tensor:
