@@ -8,6 +8,7 @@ decorates a function, so this module must be imported before any kernel module i
 `import kernels` does that.
 """
 
+import contextlib
 import os
 import sys
 import warnings
@@ -40,6 +41,21 @@ def _dependent_launch() -> bool:
 # Read at each launch (kernels.split_k, kernels.decode, kernels.norm, the split-KV attention):
 # setting kernels.runtime.PDL = False turns it off for the launches after.
 PDL: bool = _dependent_launch()
+
+
+@contextlib.contextmanager
+def dependent_launch(on: bool):
+    """The launches inside the block with dependent launch (`on`, where this GPU and
+    KERNELS_PDL allow it) or without; PDL as it was after. A CUDA graph keeps what its capture
+    used, so time both by capturing inside the block."""
+    global PDL
+    if not isinstance(on, bool):
+        raise TypeError(f"dependent_launch(on) takes True or False, got {on!r}")
+    saved, PDL = PDL, on and _dependent_launch()
+    try:
+        yield PDL
+    finally:
+        PDL = saved
 
 
 def _interpreter_scalars_as_index() -> None:

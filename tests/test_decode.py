@@ -82,12 +82,20 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypat
     backend, same weights), token by token over a prefill and two decode steps, with rows at
     different positions too."""
     from kernels import llm
-    from kernels.llm import quant
     from kernels.llm.model import Block
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
-    monkeypatch.setattr(Block, "norm_in_gemv", fusion == "norm_in_gemv")
-    monkeypatch.setattr(Block, "swiglu_in_gemv", fusion == "swiglu_in_gemv")
+    switches = llm.fusions(norm_in_gemv=fusion == "norm_in_gemv",
+                           swiglu_in_gemv=fusion == "swiglu_in_gemv")  # fmt: skip
+    with switches:
+        _tiny_model_both_ways(model, weights, fusion, monkeypatch)
+    assert not Block.norm_in_gemv and not Block.swiglu_in_gemv  # put back
+
+
+def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
+    from kernels import llm
+    from kernels.llm import quant
+
     if fusion == "swiglu_in_gemv":  # the product's own kernel must not run
 
         def refuse(*args):

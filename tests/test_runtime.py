@@ -126,6 +126,19 @@ def test_dependent_launch_is_off_on_a_cpu_and_with_kernels_pdl_0():
     assert _run(code, KERNELS_PDL="0").stdout.split()[-1] == "False"
 
 
+def test_dependent_launch_block_sets_pdl_and_puts_it_back():
+    saved = runtime.PDL
+    with runtime.dependent_launch(False) as on:
+        assert on is False and runtime.PDL is False
+    assert runtime.PDL == saved
+    with pytest.raises(RuntimeError), runtime.dependent_launch(True) as on:
+        assert runtime.PDL == on == runtime._dependent_launch()  # never on where it cannot be
+        raise RuntimeError("inside")
+    assert runtime.PDL == saved
+    with pytest.raises(TypeError, match="True or False"), runtime.dependent_launch(1):
+        pass
+
+
 @pytest.mark.gpu
 def test_dependent_launch_is_on_from_hopper():
     import torch

@@ -101,14 +101,12 @@ def bench_decode_steps(ceilings):
     for name in STEP_MODELS:
         model = llm.random_model(name, torch.bfloat16, DEVICE)
         ms = {}
-        for backend, pdl, label in (("torch", runtime.PDL, "torch's ops"),
+        for backend, pdl, label in (("torch", True, "torch's ops"),
                                     ("kernels", False, "without dependent launch"),
-                                    ("kernels", runtime.PDL, "kernels")):  # fmt: skip
-            model.backend, saved, runtime.PDL = backend, runtime.PDL, pdl
-            try:
+                                    ("kernels", True, "kernels")):  # fmt: skip
+            model.backend = backend
+            with runtime.dependent_launch(pdl):
                 ms[label] = speed.graph_step_ms(model, 1, T, STEP_CALLS)
-            finally:
-                runtime.PDL = saved
         quant.quantize_int8(model)  # in place, the head included
         int8_ms = speed.graph_step_ms(model, 1, T, STEP_CALLS)
         step = f"decode step {name} B=1 T={T} [graph]"

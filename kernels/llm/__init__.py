@@ -18,7 +18,7 @@ import torch
 from kernels.llm import ops, serve, tokenizer, weights
 from kernels.llm.config import CONFIGS, ModelConfig, get_config
 from kernels.llm.generate import generate, one_cpu_thread
-from kernels.llm.model import KVCache, Transformer, rope_frequencies
+from kernels.llm.model import KVCache, Transformer, fusions, rope_frequencies
 from kernels.llm.ops import BACKENDS, check_backend
 from kernels.runtime import DEVICE
 
@@ -98,6 +98,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "Transformer",
+    "fusions",
     "generate",
     "load_model",
     "load_tokenizer",

@@ -17,6 +17,8 @@ The residual adds are fused into the norms that follow them (ops.add_rms_norm): 
 the next one its stream x and the delta it has not added yet.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -317,6 +319,18 @@ class Transformer(nn.Module):
             return logits.view(B, S, -1)
         x, _ = ops.add_rms_norm(delta, x, self.norm.weight, eps, self.backend)
         return ops.linear(x, head, self.backend, scale)  # (B, S, V)
+
+
+@contextlib.contextmanager
+def fusions(norm_in_gemv: bool = False, swiglu_in_gemv: bool = False):
+    """Block's two measured-and-off fusions, set for the block (to time a step with them; a
+    CUDA graph keeps what its capture ran), then as they were."""
+    saved = Block.norm_in_gemv, Block.swiglu_in_gemv
+    Block.norm_in_gemv, Block.swiglu_in_gemv = bool(norm_in_gemv), bool(swiglu_in_gemv)
+    try:
+        yield
+    finally:
+        Block.norm_in_gemv, Block.swiglu_in_gemv = saved
 
 
 def norms_in_gemvs(backend: str, rows: int, d_model: int) -> bool:
