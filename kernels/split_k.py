@@ -301,7 +301,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
         NORM=norm_flag, ROW=next_power_of_2(K) if norm else 1, DIRECT=plan.splits == 1,
         LAST_SUMS=count is not None, EVEN_K=K % tile.BLOCK_K == 0,
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
-        **flags, **meta, **dependent_launch(b, plan, pdl),
+        **flags, **meta, **pdl_keywords(b, plan, pdl),
     )  # fmt: skip
     if plan.splits > 1 and count is None:  # too many partials, or no counters: a second launch sums
         block_m = min(16, next_power_of_2(M))
@@ -322,7 +322,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
 PREFETCH_BYTES = 1 << 16
 
 
-def dependent_launch(b: torch.Tensor, plan, pdl: bool) -> dict:
+def pdl_keywords(b: torch.Tensor, plan, pdl: bool) -> dict:
     """split_k_kernel's dependent-launch keywords (every one passed: a defaulted keyword would
     send each launch down Triton's own path, kernels.launch). With `pdl`, the weight b (K, N)
     is prefetched in lines of 128 bytes along K, as many as the piece has up to PREFETCH_BYTES

@@ -260,7 +260,7 @@ def _attention(
         LAST_COMBINES=count is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         SPLIT_SIZE=cfg["SPLIT_SIZE"], num_warps=4, num_stages=split_stages(q.dtype, block_d),
-        **dependent_launch(k, block_d),
+        **pdl_keywords(k, block_d),
     )  # fmt: skip
     if count is None:
         launch(attention_combine_kernel, (cdiv(n_rows, cfg["BLOCK_R"]),),
@@ -277,7 +277,7 @@ def _attention(
 PREFETCH_KV = True
 
 
-def dependent_launch(k: torch.Tensor, block_d: int) -> dict:
+def pdl_keywords(k: torch.Tensor, block_d: int) -> dict:
     """The split kernel's dependent-launch keywords (kernels.runtime.PDL), every one passed:
     lines of 128 bytes, LINES of them a key of block_d elements (0: no prefetch)."""
     line = 128 // k.element_size()

@@ -323,8 +323,8 @@ class Transformer(nn.Module):
 
 @contextlib.contextmanager
 def fusions(norm_in_gemv: bool = False, swiglu_in_gemv: bool = False):
-    """Block's two measured-and-off fusions, set for the block (to time a step with them; a
-    CUDA graph keeps what its capture ran), then as they were."""
+    """Block's two measured-and-off fusions set for the block, each off unless named (to time
+    a step with them: a CUDA graph keeps what its capture ran), then as they were."""
     saved = Block.norm_in_gemv, Block.swiglu_in_gemv
     Block.norm_in_gemv, Block.swiglu_in_gemv = bool(norm_in_gemv), bool(swiglu_in_gemv)
     try:
