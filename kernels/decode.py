@@ -189,6 +189,39 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
+def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """(2F, ...) with gate's row j at 2j and up's at 2j + 1: the layout swiglu_gemv reads (a
+    weight, or an int8 weight's scales), built once at load."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)}, "
+                         f"{tuple(up.shape)}")  # fmt: skip
+    return torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+
+
+def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for x (M, K) and gate_up = interleave_rows(gate, up)
+    (2F, K): the gate-and-up GEMV (kernels.gemv.linear; with `scale` (2F,), interleaved the
+    same way, an int8 weight as kernels.int8.linear) with SwiGLU's product in its epilogue: a
+    GEMV tile holds each gate column beside its up column, so the product costs each program
+    a few operations on what it already holds, and no kernel of its own. Output (M, F) in x's
+    dtype: the values of silu_mul after the GEMV (gate and up rounded to x's dtype first)."""
+    if gate_up.dim() != 2 or gate_up.shape[0] % 2:
+        raise ValueError(f"gate_up must be (2F, K), gate and up rows interleaved "
+                         f"(interleave_rows), got {tuple(gate_up.shape)}")  # fmt: skip
+    if scale is None:
+        gemv.check_linear_inputs(x, gate_up, None)
+        return product(x, gate_up.t(), kind="gemv", activation="swiglu")
+    int8.check_int8_inputs(x, gate_up, scale, None)
+    return product(x, gate_up.t(), kind="int8", scale=scale.contiguous(), activation="swiglu")
+
+
+def swiglu_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:
+    """The GEMV's reference (fp64), rounded to x's dtype, then silu_mul's reference."""
+    y = gemv.linear_ref(x, gate_up) if scale is None else int8.linear_ref(x, gate_up, scale)
+    gate, up = y[:, 0::2], y[:, 1::2]
+    return silu_mul_ref(torch.cat((gate, up), dim=1))
+
+
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T for gate_up (M, 2F), gate then up, and weight (N, F): the
     decode GEMV (kernels.gemv.linear; with `scale`, an int8 weight as kernels.int8.linear) with

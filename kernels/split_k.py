@@ -66,10 +66,10 @@ def split_k_metadata(grid, kernel, args) -> dict:
     if "a_ptr" in args:  # the main kernel: reads a and b, writes partials or the output
         K, a, b = args["K"], args["a_ptr"], args["b_ptr"]
         moved = M * a.shape[1] * a.element_size() + K * N * b.element_size() + extras
-        moved += partials if partials else M * N * out.element_size()
+        moved += partials if partials else out.numel() * out.element_size()
         name, flops = f"{kernel.name} [M={M}, N={N}, K={K}, splits={splits}]", 2.0 * M * N * K
     else:  # the reduce: reads partials, writes the output
-        moved = partials + M * N * out.element_size() + extras
+        moved = partials + out.numel() * out.element_size() + extras
         name, flops = f"{kernel.name} [M={M}, N={N}, splits={splits}]", float(splits * M * N)
     return {"name": name, "flops": flops, "bytes": moved}
 
@@ -222,8 +222,19 @@ def store_output(
     acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn, mask,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
 ):  # fmt: skip
-    """act(acc * scale + bias) stored in the output's dtype: the one ending of every path."""
-    acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
+    """act(acc * scale + bias) stored in the output's dtype: the one ending of every path.
+    "swiglu": the columns alternate gate and up (kernels.decode.swiglu_gemv), and column pair
+    j stores silu(gate) * up at output column j, each of the two rounded to the output's dtype
+    first as the GEMV would store it for kernels.decode.silu_mul."""
+    if ACTIVATION == "swiglu":
+        acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, "none")
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
+        acc = swiglu(gate.to(dtype), up.to(dtype))
+        cols = tl.split(tl.reshape(cols, (cols.shape[0] // 2, 2)))[0] // 2
+        mask = tl.split(tl.reshape(mask, (mask.shape[0], mask.shape[1] // 2, 2)))[0]
+    else:
+        acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, ACTIVATION)
     c_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -279,7 +290,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
     product is rms_norm(a + res) * g @ b, with a + res stored into stream (or not: None)."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     tile = plan.tile
-    out = a.new_empty((M, N))
+    out = a.new_empty((M, N // 2 if activation == "swiglu" else N))
     parts = out  # stands in when there is one piece
     if plan.splits > 1:
         parts = a.new_empty((plan.splits, M, N), dtype=torch.float32)
@@ -345,14 +356,16 @@ def _with_splits(plan, K: int, splits: int):
 def product(
     a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False, norm=None
 ):
-    """act(a @ b * scale + bias) for validated operands through the plan that
+    """act(a @ b * scale + bias) (activation "swiglu": see store_output) for validated operands
+    through the plan that
     kernels.split_k_tuning picks for (kind, N, K, the dtypes, the device): the launcher behind
     matmul_split_k, kernels.gemv.linear, kernels.int8.linear, (gated: a is (M, 2K), the
     product is silu(gate) * up @ b) kernels.decode.swiglu_linear and (norm: see _run; a and
     res contiguous, stream like a) kernels.decode.norm_linear."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
-    if M == 0 or N == 0:
-        return torch.empty((M, N), dtype=a.dtype, device=a.device)
+    glu = activation == "swiglu"  # b's columns alternate gate and up: N / 2 outputs
+    if M == 0 or N == 0 or (K == 0 and glu):  # silu(0) * 0 = 0
+        return torch.zeros((M, N // 2 if glu else N), dtype=a.dtype, device=a.device)
     if K == 0:  # an empty sum: zeros, then the epilogue
         return matmul_ref(a[:, :0], b.to(a.dtype), bias, activation)
     key = (a.dtype, b.dtype, a.device.index, input_precision(a.dtype), gated)

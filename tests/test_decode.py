@@ -73,30 +73,31 @@ def test_silu_mul_rejects_an_odd_last_dim():
         decode.silu_mul(torch.zeros((2, 3), device=DEVICE))
 
 
-@pytest.mark.parametrize("fusion", ["separate", "norm_in_gemv", "swiglu_in_gemv"])
+@pytest.mark.parametrize(
+    "fusion", ["separate", "norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue"]
+)
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypatch):
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
     (the norms in their own kernels or inside the GEMVs after them; SwiGLU's product in its
-    own kernel or inside the down GEMV) gives the logits of the layer-by-layer path (torch's
-    backend, same weights), token by token over a prefill and two decode steps, with rows at
-    different positions too."""
+    own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue) gives the logits
+    of the layer-by-layer path (torch's backend, same weights), token by token over a prefill
+    and two decode steps, with rows at different positions too."""
     from kernels import llm
     from kernels.llm.model import Block
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
-    switches = llm.fusions(norm_in_gemv=fusion == "norm_in_gemv",
-                           swiglu_in_gemv=fusion == "swiglu_in_gemv")  # fmt: skip
+    switches = llm.fusions(**({} if fusion == "separate" else {fusion: True}))
     with switches:
         _tiny_model_both_ways(model, weights, fusion, monkeypatch)
-    assert not Block.norm_in_gemv and not Block.swiglu_in_gemv  # put back
+    assert not (Block.norm_in_gemv or Block.swiglu_in_gemv or Block.swiglu_in_epilogue)
 
 
 def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
     from kernels import llm
     from kernels.llm import quant
 
-    if fusion == "swiglu_in_gemv":  # the product's own kernel must not run
+    if fusion in ("swiglu_in_gemv", "swiglu_in_epilogue"):  # the product's own kernel must not run
 
         def refuse(*args):
             raise AssertionError("silu_mul ran: SwiGLU's product was not inside the GEMV")
@@ -193,6 +194,51 @@ def test_norm_linear_refuses_bad_inputs_clearly():
         decode.norm_linear(big, big, torch.ones(8, device=DEVICE), 1e-5, w)
     with pytest.raises(ValueError, match="contiguous"):
         decode.norm_linear(x.t().contiguous().t(), x, torch.ones(8, device=DEVICE), 1e-5, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 37, 40), (3, 24, 200), (17, 5, 33)], ids=str)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "splits=3"])
+def test_swiglu_gemv_matches_fp64_and_the_two_kernel_path(shape, dtype, weights, splits):
+    """SwiGLU's product in the gate-and-up GEMV's epilogue (interleaved rows): against fp64,
+    and on the interpreter bit for bit against the GEMV then silu_mul, with K whole and cut
+    into pieces summed by the tile's last piece (the product is formed after the sum)."""
+    from kernels import gemv, int8, split_k
+
+    M, F, K = shape
+    x = check.random_tensor((M, K), dtype, seed=8, scale=2.0)
+    gate = check.random_tensor((F, K), dtype, seed=9, scale=K**-0.5)
+    up = check.random_tensor((F, K), dtype, seed=10, scale=K**-0.5) - 0.5 * K**-0.5
+    weight, scale = decode.interleave_rows(gate, up), None
+    assert torch.equal(weight[0::2], gate) and torch.equal(weight[1::2], up)
+    if weights == "int8":
+        weight, scale = int8.quantize(weight.float())
+    if splits is None:
+        out = decode.swiglu_gemv(x, weight, scale)
+    else:
+        kind = "gemv" if scale is None else "int8"
+        out = split_k.product(x, weight.t(), kind=kind, scale=scale, activation="swiglu",
+                              splits=splits)  # fmt: skip
+    ref = decode.swiglu_gemv_ref(x, weight, scale)
+    assert out.shape == (M, F) and out.dtype == dtype
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    if DEVICE.type == "cpu" and splits is None:  # one tile on the interpreter: the same bits
+        y = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+        two = decode.silu_mul(torch.cat((y[:, 0::2], y[:, 1::2]), dim=1))
+        assert torch.equal(out, two)
+
+
+def test_swiglu_gemv_rejects_bad_inputs_clearly():
+    x = torch.zeros((2, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="interleaved"):
+        decode.swiglu_gemv(x, torch.zeros((5, 8), device=DEVICE))
+    with pytest.raises(ValueError, match="columns to match"):
+        decode.swiglu_gemv(x, torch.zeros((6, 7), device=DEVICE))
+    with pytest.raises(ValueError, match="one shape"):
+        decode.interleave_rows(torch.zeros(3, 4), torch.zeros(3, 5))
+    assert decode.swiglu_gemv(x[:0], torch.zeros((6, 8), device=DEVICE)).shape == (0, 3)
 
 
 def test_swiglu_linear_rejects_a_mismatched_weight():

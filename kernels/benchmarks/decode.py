@@ -13,9 +13,10 @@ Then whole decoding steps (kernels.llm, one row at position 511 of a 512-positio
 replayed from a CUDA graph, random weights in the models' shapes: the values do not change
 the work), rated in GB/s of the step's bytes (kernels.llm.speed.step_bytes: every weight once
 and the cache): their % of copy is the % of the speed-of-light line. Against torch's ops in the
-same graph and the course's kernels without dependent launch (kernels.runtime.PDL); int8
-weights against bf16. Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape
->= 65%, its int8 >= 1.6x its bf16.
+same graph, the course's kernels without dependent launch (kernels.runtime.PDL) and with
+SwiGLU's product in the gate-and-up GEMV's epilogue (llm.fusions); int8 weights against bf16.
+Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape >= 65%, its int8 >=
+1.6x its bf16.
 """
 
 import torch
@@ -101,11 +102,14 @@ def bench_decode_steps(ceilings):
     for name in STEP_MODELS:
         model = llm.random_model(name, torch.bfloat16, DEVICE)
         ms = {}
-        for backend, pdl, label in (("torch", True, "torch's ops"),
-                                    ("kernels", False, "without dependent launch"),
-                                    ("kernels", True, "kernels")):  # fmt: skip
+        for backend, pdl, fused, label in (
+            ("torch", True, {}, "torch's ops"),
+            ("kernels", False, {}, "without dependent launch"),
+            ("kernels", True, {"swiglu_in_epilogue": True}, "SwiGLU in the gate-up epilogue"),
+            ("kernels", True, {}, "kernels"),
+        ):
             model.backend = backend
-            with runtime.dependent_launch(pdl):
+            with runtime.dependent_launch(pdl), llm.fusions(**fused):
                 ms[label] = speed.graph_step_ms(model, 1, T, STEP_CALLS)
         quant.quantize_int8(model)  # in place, the head included
         int8_ms = speed.graph_step_ms(model, 1, T, STEP_CALLS)

@@ -65,19 +65,21 @@ def project(x, linear: nn.Linear, backend):
     return ops.linear(x, linear.weight, backend, getattr(linear, "scale", None))
 
 
-def fused_weight(block: nn.Module, names: tuple[str, ...]):
+def fused_weight(block: nn.Module, names: tuple[str, ...], interleaved: bool = False):
     """The weights (and int8 scales) of `names` stacked along their output rows: one GEMV
-    reads them all (q, k and v; gate and up). Built on first use and kept on the block, rebuilt
-    when a weight is replaced (kernels.llm.quant, a load)."""
+    reads them all (q, k and v; gate and up); `interleaved`: two weights' rows alternating
+    (decode.interleave_rows, for decode.swiglu_gemv). Built on first use and kept on the block,
+    rebuilt when a weight is replaced (kernels.llm.quant, a load)."""
     linears = [getattr(block, n) for n in names]
     key = tuple((lin.weight.data_ptr(), lin.weight.dtype) for lin in linears)
     kept = block.__dict__.setdefault("_fused", {})
-    if kept.get(names, (None,))[0] != key:
-        weight = torch.cat([lin.weight.detach() for lin in linears])
+    if kept.get((names, interleaved), (None,))[0] != key:
+        stack = decode.interleave_rows if interleaved else lambda *ts: torch.cat(ts)
+        weight = stack(*[lin.weight.detach() for lin in linears])
         scales = [getattr(lin, "scale", None) for lin in linears]
-        scale = None if scales[0] is None else torch.cat(scales)
-        kept[names] = (key, weight, scale)
-    return kept[names][1:]
+        scale = None if scales[0] is None else stack(*scales)
+        kept[(names, interleaved)] = (key, weight, scale)
+    return kept[(names, interleaved)][1:]
 
 
 def fused_project(x, block, names):
@@ -96,6 +98,9 @@ class Block(nn.Module):
     # kernel's launch. Off, kept to be measured again (the fused path's test runs both).
     norm_in_gemv = False
     swiglu_in_gemv = False
+    # SwiGLU's product in the gate-and-up GEMV's epilogue instead (decode.swiglu_gemv: gate and
+    # up rows interleaved, so a tile holds both; nothing recomputed). Not yet timed on a GPU.
+    swiglu_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -166,6 +171,11 @@ class Block(nn.Module):
         # GEMV's loads (decode.swiglu_linear): one launch fewer, but every column tile of the
         # GEMV recomputes it (speed.down_projection_ms times both, the chapter the whole step).
         names = ("w_gate", "w_up")
+        if self.swiglu_in_epilogue and B * S <= gemv.MAX_ROWS:
+            h, x = self._norm(x, attended, self.mlp_norm, backend)
+            weight, scale = fused_weight(self, names, interleaved=True)
+            act = decode.swiglu_gemv(h.reshape(B * S, -1), weight, scale).view(B, S, -1)
+            return x, self._reduced(project(act, self.w_down, backend))
         gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
         if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
             scale = getattr(self.w_down, "scale", None)
@@ -322,15 +332,18 @@ class Transformer(nn.Module):
 
 
 @contextlib.contextmanager
-def fusions(norm_in_gemv: bool = False, swiglu_in_gemv: bool = False):
-    """Block's two measured-and-off fusions set for the block, each off unless named (to time
-    a step with them: a CUDA graph keeps what its capture ran), then as they were."""
-    saved = Block.norm_in_gemv, Block.swiglu_in_gemv
-    Block.norm_in_gemv, Block.swiglu_in_gemv = bool(norm_in_gemv), bool(swiglu_in_gemv)
+def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False):
+    """Block's fusions that are off by default, set for the block, each off unless named (to
+    time a step with them: a CUDA graph keeps what its capture ran), then as they were."""
+    names = ("norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue")
+    saved = [getattr(Block, name) for name in names]
+    for name, on in zip(names, (norm_in_gemv, swiglu_in_gemv, swiglu_in_epilogue), strict=True):
+        setattr(Block, name, bool(on))
     try:
         yield
     finally:
-        Block.norm_in_gemv, Block.swiglu_in_gemv = saved
+        for name, value in zip(names, saved, strict=True):
+            setattr(Block, name, value)
 
 
 def norms_in_gemvs(backend: str, rows: int, d_model: int) -> bool:
