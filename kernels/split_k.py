@@ -357,8 +357,8 @@ def product(
     a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False, norm=None
 ):
     """act(a @ b * scale + bias) (activation "swiglu": see store_output) for validated operands
-    through the plan that
-    kernels.split_k_tuning picks for (kind, N, K, the dtypes, the device): the launcher behind
+    through the plan that kernels.split_k_tuning picks for (kind, N, K, the dtypes, the
+    device): the launcher behind
     matmul_split_k, kernels.gemv.linear, kernels.int8.linear, (gated: a is (M, 2K), the
     product is silu(gate) * up @ b) kernels.decode.swiglu_linear and (norm: see _run; a and
     res contiguous, stream like a) kernels.decode.norm_linear."""

@@ -199,12 +199,19 @@ def test_norm_linear_refuses_bad_inputs_clearly():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 37, 40), (3, 24, 200), (17, 5, 33)], ids=str)
 @pytest.mark.parametrize("weights", ["float", "int8"])
-@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "splits=3"])
-def test_swiglu_gemv_matches_fp64_and_the_two_kernel_path(shape, dtype, weights, splits):
+@pytest.mark.parametrize("splits", [None, 3, "reduce"], ids=["planned", "splits=3", "reduce"])
+def test_swiglu_gemv_matches_fp64_and_the_two_kernel_path(
+    shape, dtype, weights, splits, monkeypatch
+):
     """SwiGLU's product in the gate-and-up GEMV's epilogue (interleaved rows): against fp64,
     and on the interpreter bit for bit against the GEMV then silu_mul, with K whole and cut
-    into pieces summed by the tile's last piece (the product is formed after the sum)."""
+    into pieces summed by the tile's last piece or by the reduce kernel (the product is formed
+    after the sum)."""
     from kernels import gemv, int8, split_k
+
+    if splits == "reduce":  # no tile's partials are few enough for its last piece to sum
+        monkeypatch.setattr(split_k, "LAST_SUM_MAX_ELEMENTS", 0)
+        splits = 3
 
     M, F, K = shape
     x = check.random_tensor((M, K), dtype, seed=8, scale=2.0)
