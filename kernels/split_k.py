@@ -358,10 +358,9 @@ def product(
 ):
     """act(a @ b * scale + bias) (activation "swiglu": see store_output) for validated operands
     through the plan that kernels.split_k_tuning picks for (kind, N, K, the dtypes, the
-    device): the launcher behind
-    matmul_split_k, kernels.gemv.linear, kernels.int8.linear, (gated: a is (M, 2K), the
-    product is silu(gate) * up @ b) kernels.decode.swiglu_linear and (norm: see _run; a and
-    res contiguous, stream like a) kernels.decode.norm_linear."""
+    device): the launcher behind matmul_split_k, kernels.gemv.linear, kernels.int8.linear,
+    (gated: a is (M, 2K), the product is silu(gate) * up @ b) kernels.decode.swiglu_linear and
+    (norm: see _run; a and res contiguous, stream like a) kernels.decode.norm_linear."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     glu = activation == "swiglu"  # b's columns alternate gate and up: N / 2 outputs
     if M == 0 or N == 0 or (K == 0 and glu):  # silu(0) * 0 = 0

@@ -100,6 +100,7 @@ class Block(nn.Module):
     swiglu_in_gemv = False
     # SwiGLU's product in the gate-and-up GEMV's epilogue instead (decode.swiglu_gemv: gate and
     # up rows interleaved, so a tile holds both; nothing recomputed). Not yet timed on a GPU.
+    # Where it is on, the MLP's norm runs in its own kernel, whatever norm_in_gemv says.
     swiglu_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
