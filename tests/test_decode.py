@@ -74,23 +74,28 @@ def test_silu_mul_rejects_an_odd_last_dim():
 
 
 @pytest.mark.parametrize(
-    "fusion", ["separate", "norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue"]
+    "fusion", ["as it is", "separate", "norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue"]
 )
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypatch):
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
     (the norms in their own kernels or inside the GEMVs after them; SwiGLU's product in its
-    own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue) gives the logits
-    of the layer-by-layer path (torch's backend, same weights), token by token over a prefill
-    and two decode steps, with rows at different positions too."""
+    own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue; "as it is": the
+    model's own choice, SwiGLU in the epilogue) gives the logits of the layer-by-layer path
+    (torch's backend, same weights), token by token over a prefill and two decode steps, with
+    rows at different positions too."""
     from kernels import llm
     from kernels.llm.model import Block
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
-    switches = llm.fusions(**({} if fusion == "separate" else {fusion: True}))
-    with switches:
+    defaults = (Block.norm_in_gemv, Block.swiglu_in_gemv, Block.swiglu_in_epilogue)
+    if fusion == "as it is":
+        assert Block.swiglu_in_epilogue and not (Block.norm_in_gemv or Block.swiglu_in_gemv)
+        _tiny_model_both_ways(model, weights, "swiglu_in_epilogue", monkeypatch)
+        return
+    with llm.fusions(**({} if fusion == "separate" else {fusion: True})):
         _tiny_model_both_ways(model, weights, fusion, monkeypatch)
-    assert not (Block.norm_in_gemv or Block.swiglu_in_gemv or Block.swiglu_in_epilogue)
+    assert (Block.norm_in_gemv, Block.swiglu_in_gemv, Block.swiglu_in_epilogue) == defaults
 
 
 def _tiny_model_both_ways(model, weights, fusion, monkeypatch):

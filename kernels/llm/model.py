@@ -91,17 +91,21 @@ class Block(nn.Module):
     # The course's backend: a decoding step's norms inside the GEMVs after them; SwiGLU's
     # product inside the down GEMV. Both save launches and both lost, measured on an H100
     # (80GB HBM3, torch 2.11, triton 3.6, 2026-12-06; batch 1 at 512 positions, CUDA graph,
-    # dependent launch): SmolLM2's shapes 0.746 ms a step as it is, 0.808 with the norms in
+    # dependent launch): SmolLM2's shapes 0.746 ms a step with neither, 0.808 with the norms in
     # the GEMVs, 0.871 with SwiGLU in the down GEMV; the llama-1b shape 1.229 ms against 1.439
     # with the norms in. Each of a GEMV's programs redoes the work of the kernel it replaces,
     # on its own critical path, where dependent launch had already hidden most of that
     # kernel's launch. Off, kept to be measured again (the fused path's test runs both).
     norm_in_gemv = False
     swiglu_in_gemv = False
-    # SwiGLU's product in the gate-and-up GEMV's epilogue instead (decode.swiglu_gemv: gate and
-    # up rows interleaved, so a tile holds both; nothing recomputed). Not yet timed on a GPU.
-    # Where it is on, the MLP's norm runs in its own kernel, whatever norm_in_gemv says.
-    swiglu_in_epilogue = False
+    # SwiGLU's product in the gate-and-up GEMV's epilogue (decode.swiglu_gemv: gate and up rows
+    # interleaved, so a tile holds both; nothing recomputed): on. The same logits, bit for bit,
+    # one kernel fewer a layer; on the same H100, two runs of 300 and 200 steps: SmolLM2's
+    # shapes 0.712-0.716 ms against 0.728-0.764 with silu_mul, and 0.686 against 0.748; the
+    # llama-1b shape 1.263 against 1.292, and 1.274 against 1.229 (within the two processes'
+    # spread of one path, about 5%: each tunes its own GEMV plans). Where it is on, the MLP's
+    # norm runs in its own kernel, whatever norm_in_gemv says.
+    swiglu_in_epilogue = True
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -132,9 +136,9 @@ class Block(nn.Module):
         B, S, _ = x.shape
         # The course's backend fuses what it can (kernels.decode): one GEMV for q, k and v, one
         # kernel that rotates q and k and writes k and v into the cache, one GEMV for gate and
-        # up and one kernel for SwiGLU's product; for a decoding step's rows (norm_in_gemv) the
-        # residual add and RMSNorm inside the GEMV after them. Not in batch_invariant_mode:
-        # its ops are the Chapter 5 kernels, called one by one.
+        # up that forms SwiGLU's product as it stores (swiglu_in_epilogue); for a decoding
+        # step's rows (norm_in_gemv) the residual add and RMSNorm inside the GEMV after them.
+        # Not in batch_invariant_mode: its ops are the Chapter 5 kernels, called one by one.
         fused = backend == "kernels" and not batch_invariant.enabled()
         in_gemv = norms_in_gemvs(backend, B * S, c.d_model)
         if fused and cache is not None:  # the new keys and values go into the cache directly
@@ -168,9 +172,10 @@ class Block(nn.Module):
             h, x = ops.add_rms_norm(attended, x, self.mlp_norm.weight, c.norm_eps, backend)
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
             return x, self._reduced(project(act, self.w_down, backend))  # SwiGLU
-        # SwiGLU's product in a kernel of its own, or (swiglu_in_gemv) formed inside the down
-        # GEMV's loads (decode.swiglu_linear): one launch fewer, but every column tile of the
-        # GEMV recomputes it (speed.down_projection_ms times both, the chapter the whole step).
+        # SwiGLU's product in the gate-and-up GEMV's epilogue (swiglu_in_epilogue), in a kernel
+        # of its own, or (swiglu_in_gemv) formed inside the down GEMV's loads
+        # (decode.swiglu_linear): one launch fewer, but every column tile of the GEMV recomputes
+        # it (speed.down_projection_ms times the last two, the chapter the whole step).
         names = ("w_gate", "w_up")
         if self.swiglu_in_epilogue and B * S <= gemv.MAX_ROWS:
             h, x = self._norm(x, attended, self.mlp_norm, backend)
@@ -334,8 +339,9 @@ class Transformer(nn.Module):
 
 @contextlib.contextmanager
 def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False):
-    """Block's fusions that are off by default, set for the block, each off unless named (to
-    time a step with them: a CUDA graph keeps what its capture ran), then as they were."""
+    """Block's fusions set for the block, each off unless named (fusions() is the step with
+    none of them; to time a step with some: a CUDA graph keeps what its capture ran), then as
+    they were."""
     names = ("norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue")
     saved = [getattr(Block, name) for name in names]
     for name, on in zip(names, (norm_in_gemv, swiglu_in_gemv, swiglu_in_epilogue), strict=True):
