@@ -292,7 +292,7 @@ def time_linears(shapes: dict, fns: dict, dtype, device, timer, rows: int = 1) -
 
 def down_projection_ms(config, dtype, device, timer, copies=rotating_copies) -> dict:
     """The MLP's down projection for one decode row with SwiGLU's product silu(gate) * up: in a
-    kernel of its own, then the GEMV (the model's path), against formed inside the GEMV's loads
+    kernel of its own, then the GEMV, against formed inside the GEMV's loads
     (kernels.decode.swiglu_linear, one launch fewer). Float and int8 weights (d_model, d_ff):
     {"float": {"separate": ms, "fused": ms}, "int8": {...}}, each timer(fn, argsets) over
     copies(weight) (on a GPU: kernels.bench.rotating_graph_ms over rotating_copies)."""
