@@ -1,9 +1,9 @@
 """The grader against bad submissions of Lab 3, the matmul: each fails the task it breaks, with
 a message that says why, and leaves the others alone.
 
-Every bad submission is Lab 3's solution with a few lines changed. They are graded in two
+Every bad submission is Lab 3's solution with a few lines changed. They are graded in three
 batches (one `python -m kernels grade` each, restricted to the tasks they break), with a short
-time limit, so the file stays within about a minute on two cores.
+time limit, so the file stays within about a minute and a half on two cores.
 """
 
 from pathlib import Path
@@ -30,6 +30,15 @@ SWIGLU = "y = g * tl.sigmoid(g) * u"
 SWIGLU_STORE = "y.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)"
 EXTRA_SIGMOID = SWIGLU_STORE.replace("y.to(", "tl.sigmoid(y).to(")
 GROUPED = "return first_m + in_band % band_height, in_band // band_height"
+SUM_LOOP = "for s in range(0, SPLITS):  # split 0 first"
+SUM_LOAD = "acc += tl.load(partials_ptr + s * MN + offsets, mask=mask, other=0.0)"
+SUM_LAUNCH = (
+    "split_k_sum_kernel[(triton.cdiv(M * N, sum_block),)](partials, c, M * N, splits, "
+    "BLOCK=sum_block)"
+)
+SPLIT_GRID = 'grid = (triton.cdiv(M, tiles["BLOCK_M"]), triton.cdiv(N, tiles["BLOCK_N"]), splits)'
+C_ALLOC = "c = torch.empty((M, N), dtype=a.dtype, device=a.device)"
+SLICE_END_A, SLICE_END_B = "mask=row_ok & (kk[None, :] < hi)", "mask=(kk[:, None] < hi) & col_ok"
 
 # name -> [(the graded cell to change: a function it defines, or "import"), old, new), ...]
 KERNEL_CASES = {
@@ -64,6 +73,35 @@ EPILOGUE_CASES = {
     "swiglu_extra_sigmoid": [("swiglu", SWIGLU_STORE, EXTRA_SIGMOID)],
 }  # fmt: skip
 
+# Split-K: every edit is in the cell that defines split_k_matmul and both its kernels.
+SPLIT_K_CASES = {
+    "sum_drops_last_split": [
+        ("split_k_matmul", SUM_LOOP, SUM_LOOP.replace("SPLITS)", "SPLITS - 1)"))
+    ],
+    # as accurate, in another order: split SPLITS - 1 first
+    "sum_in_reverse": [
+        ("split_k_matmul", SUM_LOAD, SUM_LOAD.replace("s * MN", "(SPLITS - 1 - s) * MN"))
+    ],
+    # the loads masked to K only: a split also sums the next split's first elements
+    "slice_end_unmasked": [
+        ("split_k_matmul", SLICE_END_A, SLICE_END_A.replace("< hi", "< K")),
+        ("split_k_matmul", SLICE_END_B, SLICE_END_B.replace("< hi", "< K")),
+    ],
+    # an atomic read-modify-write in the sum: the same values on the interpreter, which runs
+    # programs in order; refused for what it does on a GPU
+    "atomic_sum": [
+        ("split_k_matmul", SUM_LOAD,
+         "acc += tl.atomic_add(partials_ptr + s * MN + offsets, 0.0, mask=mask)"),
+    ],
+    "fp32_output": [("split_k_matmul", C_ALLOC, C_ALLOC.replace("a.dtype", "torch.float32"))],
+    "sum_in_torch": [("split_k_matmul", SUM_LAUNCH, "c = partials.sum(dim=0).to(a.dtype)")],
+    # programs only for the splits that hold some k: the empty ones keep the NaN of new memory
+    "empty_splits_unwritten": [
+        ("split_k_matmul", SPLIT_GRID,
+         SPLIT_GRID.replace(", splits)", ", triton.cdiv(K, triton.cdiv(K, splits)))")),
+    ],
+}  # fmt: skip
+
 
 def markers(edits):
     """(cell, old, new) edits, "import" naming the imports cell, as make_submission's markers."""
@@ -84,6 +122,11 @@ def kernel_batch(tmp_path_factory):
 @pytest.fixture(scope="module")
 def epilogue_batch(tmp_path_factory):
     return batch(tmp_path_factory, EPILOGUE_CASES, "tiled_matmul", "grouped_order", "swiglu")
+
+
+@pytest.fixture(scope="module")
+def split_k_batch(tmp_path_factory):
+    return batch(tmp_path_factory, SPLIT_K_CASES, "split_k")
 
 
 KERNEL_EXPECTED = {
@@ -134,3 +177,29 @@ def test_a_wrong_swiglu_fails_it_and_nothing_else(epilogue_batch, name):
     assert "wrong values" in found["swiglu"]["message"], found
     assert "w_gate and w_up" in found["swiglu"]["message"], found
     assert found["tiled_matmul"]["status"] == "passed", found
+
+
+SPLIT_K_EXPECTED = {
+    "sum_drops_last_split": ["wrong values of c", "a (1, 1) @ b (1, 1) in 1 split, float32"],
+    "sum_in_reverse": [
+        "c is not its partials summed in order",
+        "a (33, 97) @ b (97, 31) in 3 splits, float32",
+    ],
+    "slice_end_unmasked": [
+        "wrong partial 0 (k in [0, 33))",
+        "a (33, 97) @ b (97, 31) in 3 splits, float32",
+    ],
+    "atomic_sum": ["uses atomic_add at", "in the order the programs finish"],
+    "fp32_output": ["returned c as torch.float32, expected torch.float16"],
+    "sum_in_torch": ["computed with torch outside a kernel", "sum"],
+    "empty_splits_unwritten": [
+        "wrong partial 3 (no k: an empty split, all zeros)",
+        "non-finite",
+        "a (5, 3) @ b (3, 7) in 8 splits, float32",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_K_CASES))
+def test_each_broken_split_k_fails_with_its_own_message(split_k_batch, name):
+    assert_fails_with(split_k_batch[name]["split_k"], SPLIT_K_EXPECTED[name])

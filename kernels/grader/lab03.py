@@ -3,15 +3,19 @@
 The references live here, not in the notebook: the napkin math from its formulas, the grouped
 program order built tile by tile, every product in fp64 (`kernels.matmul.matmul_ref`,
 `swiglu_ref`) with torch's own same-dtype result beside it for the rule "at most twice torch's
-error".
+error". Split-K (task 5) is checked three ways: each fp32 partial against its slice of K in
+fp64, the product against fp64, and the product bit for bit against its partials summed in
+order (split 0, 1, 2, ...) in fp32 by torch, which rounds every addition the way a kernel does.
 """
 
 from functools import partial
 
 import torch
 
+from kernels.check import compare
 from kernels.grader import cases
 from kernels.grader.cases import log_uniform
+from kernels.grader.lab05 import ATOMIC_REASONS, ATOMICS
 from kernels.grader.tasks import Case, Task, kernel_task
 from kernels.matmul import matmul_ref
 
@@ -214,6 +218,109 @@ def _swiglu_gpu_cases(rng):
     return drawn + [timed]
 
 
+def split_bounds(k: int, splits: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each split's slice of K: cdiv(k, splits) each, the last shorter, and the
+    splits past K empty (lo >= hi)."""
+    chunk = -(-k // splits)
+    return [(s * chunk, min((s + 1) * chunk, k)) for s in range(splits)]
+
+
+def split_k_partials_ref(a, b, splits: int) -> torch.Tensor:
+    """(splits, M, N) float64: partial s is a[:, lo:hi] @ b[lo:hi] over split s's slice of K
+    (zeros for an empty one)."""
+    a, b = a.double(), b.double()
+    return torch.stack(
+        [a[:, lo:hi] @ b[lo:hi] if lo < hi else a.new_zeros(a.shape[0], b.shape[1])
+         for lo, hi in split_bounds(a.shape[1], splits)]
+    )  # fmt: skip
+
+
+def in_order_sum(partials: torch.Tensor) -> torch.Tensor:
+    """partials[0] + partials[1] + ... in that order, in fp32: one IEEE rounding per addition."""
+    total = partials[0].clone()
+    for later in partials[1:]:
+        total += later
+    return total
+
+
+def _split_k_case(rng, spec, dtype, strided=False):
+    """Inputs of magnitude about 1 whatever k (as _matmul_case); strided: both operands
+    transposed, strided views."""
+    m, n, k, splits = spec
+    seed, scale = cases.new_seed(rng), k**-0.25
+
+    def operand(rows, cols, offset):
+        if strided:
+            made = cases.tensor((cols, rows), seed + offset, scale=scale).to(dtype)
+            return cases.strided(made).t()
+        return cases.tensor((rows, cols), seed + offset, scale=scale).to(dtype)
+
+    a, b = operand(m, k, 0), operand(k, n, 1)
+    layout = " (both non-contiguous: strided, transposed views)" if strided else ""
+    in_splits = f"in {splits} split{'s' if splits > 1 else ''}"
+    label = (
+        f"a ({m}, {k}) @ b ({k}, {n}) {in_splits}{layout}, {cases.dtype_name(dtype)}, seed {seed}"
+    )
+    expected = (matmul_ref(a.double(), b.double()), split_k_partials_ref(a, b, splits))
+    baseline = None if dtype == torch.float32 else a @ b
+    return Case((a, b, splits), label=label, expected=expected, dtype=dtype, baseline=baseline)
+
+
+# (M, N, K, splits): one split, K not a multiple of the split count, more splits than K has
+# elements (empty splits), more splits than K has blocks, a long K for one row, even halves.
+SPLIT_K_SHAPES = (
+    (1, 1, 1, 1), (3, 5, 7, 1), (33, 31, 97, 3), (5, 7, 3, 8), (40, 33, 129, 16),
+    (1, 96, 1000, 7), (95, 97, 63, 2),
+)  # fmt: skip
+
+
+def _split_k_cases(rng):
+    return cases.standard(
+        _split_k_case, SPLIT_K_SHAPES, DTYPES, rng, again=SPLIT_K_SHAPES[-1],
+        strided_spec=(65, 47, 33, 4),
+    )  # fmt: skip
+
+
+def _tensor_form(name, got, shape, dtype) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return f"returned {name} as {type(got).__name__}, expected a tensor"
+    if tuple(got.shape) != tuple(shape):
+        return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(shape)}"
+    if got.dtype != dtype:
+        return f"returned {name} as {got.dtype}, expected {dtype}"
+    return None
+
+
+def _check_split_k(case: Case, out) -> str | None:
+    if not isinstance(out, (list, tuple)) or len(out) != 2:
+        return f"returned {type(out).__name__}, expected a pair (c, partials)"
+    (c, partials), (c_ref, partials_ref) = out, case.expected
+    problem = _tensor_form("c", c, c_ref.shape, case.dtype) or _tensor_form(
+        "partials", partials, partials_ref.shape, torch.float32
+    )
+    if problem:
+        return problem
+    a, _, splits = case.args
+    for s, (lo, hi) in enumerate(split_bounds(a.shape[1], splits)):
+        result = compare(partials[s], partials_ref[s], op="matmul", dtype=torch.float32)
+        if not result.ok:
+            held = f"k in [{lo}, {hi})" if lo < hi else "no k: an empty split, all zeros"
+            return f"wrong partial {s} ({held}): {result.message}"
+    result = compare(c, c_ref, op="matmul", dtype=case.dtype, baseline=case.baseline)
+    if not result.ok:
+        return f"wrong values of c: {result.message}"
+    ordered = in_order_sum(partials).to(case.dtype)
+    differ = c != ordered
+    if differ.any():
+        index = tuple(int(i) for i in differ.nonzero()[0])
+        return (
+            f"c is not its partials summed in order: {int(differ.sum())} of {c.numel()} "
+            f"elements differ from partials[0] + partials[1] + ... in fp32 (first at index "
+            f"{index}: {c[index].item():.9g}, in order {ordered[index].item():.9g})"
+        )
+    return None
+
+
 SILU_OPS = frozenset({"silu", "sigmoid", "glu", "swish"})
 
 # The matmul task shares the learner's function, its check and what it may not call.
@@ -270,6 +377,22 @@ TASKS = [
         check=cases.values("matmul"),
         forbidden_ops=MATMUL_OPS | SILU_OPS,
         forbidden_names=MATMUL_NAMES,
+        time_limit=180.0,
+    ),
+    kernel_task(
+        name="split_k",
+        function="split_k_matmul",
+        points=3,
+        summary="split-K: partials of each slice of K in an fp32 workspace, then their sum in "
+        "a fixed order, bit for bit; odd shapes, 1 to 16 splits, fp32 and fp16",
+        hint="split s holds k in [s * cdiv(K, splits), (s + 1) * cdiv(K, splits)), masked to "
+        "its own end and to K; an empty split stores zeros; sum split 0, 1, 2, ... in fp32, "
+        "then cast once",
+        cases=_split_k_cases,
+        check=_check_split_k,
+        forbidden_ops=MATMUL_OPS,
+        forbidden_names=MATMUL_NAMES | ATOMICS,
+        forbidden_reasons=ATOMIC_REASONS,
         time_limit=180.0,
     ),
     kernel_task(
