@@ -2,12 +2,15 @@
 
 The references live here, not in the notebook: op costs from their formulas, the roofline
 from `kernels.bench.predicted_ms`, the polynomial by Horner's rule in fp64, the double-the-batch
-rule.
+rule, and the persistent kernel's values in fp64 with its schedule (block b belongs to program
+b % programs), read from the owner of each block that the kernel stores. On the interpreter
+programs run one after another, so a block handled twice shows its last program there (on a
+GPU, whichever program stored last).
 """
 
 import torch
 
-from kernels import regimes
+from kernels import check, regimes
 from kernels.grader import cases
 from kernels.grader.cases import log_uniform
 from kernels.grader.tasks import Case, Task, kernel_task
@@ -168,6 +171,109 @@ def _poly_gpu_cases(rng):
     return _poly_cases(rng, (torch.bfloat16,), specs) + [timed]
 
 
+def persistent_fma_ref(x: torch.Tensor, scale: float, shift: float) -> torch.Tensor:
+    """Chapter 1's version 1, x * scale + shift, in fp64."""
+    return x.double() * scale + shift
+
+
+def owner_ref(n: int, programs: int, block_size: int) -> torch.Tensor:
+    """Who handles each block in a grid-stride loop: block b belongs to program b % programs."""
+    return torch.arange(-(-n // block_size), dtype=torch.int32) % programs
+
+
+# (shape, programs, block_size): fewer elements than a block with more programs than blocks
+# (idle programs), one program for everything, a last block with one element, blocks that do
+# not divide among the programs (3, 3, 2), an exact multiple, 64 programs for 5 blocks, 2-D.
+PERSISTENT_SPECS = (
+    ((1,), 4, 128), ((3,), 1, 1024), ((127,), 3, 128), ((129,), 2, 128), ((1000,), 3, 128),
+    ((1025,), 4, 256), ((4096,), 4, 256), ((4097,), 5, 128), ((4097,), 64, 1024),
+    ((33, 65), 3, 256),
+)  # fmt: skip
+PERSISTENT_AGAIN, PERSISTENT_STRIDED = ((4097,), 5, 128), ((33, 65), 7, 128)
+INT32_POISON = torch.iinfo(torch.int32).max  # what new int32 memory holds during a call
+
+
+def _fp32_exact(value: float) -> float:
+    """value rounded to float32, as the kernel receives it: the reference uses the same."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _persistent_case(rng, spec, dtype, strided=False):
+    (shape, programs, block_size), seed = spec, cases.new_seed(rng)
+    x = _uniform(shape, seed, X_BOUND, dtype)
+    if strided:
+        x = cases.strided(x)
+    scale, shift = _fp32_exact(rng.uniform(-2, 2)), _fp32_exact(rng.uniform(-2, 2))
+    plural = "s" if programs > 1 else ""
+    label = cases.label(x, dtype, seed, f", {programs} program{plural}, blocks of {block_size}")
+    expected = (persistent_fma_ref(x, scale, shift), owner_ref(x.numel(), programs, block_size))
+    return Case(
+        (x, scale, shift, programs, block_size), label=label, expected=expected, dtype=dtype
+    )
+
+
+def _persistent_cases(rng):
+    return cases.standard(
+        _persistent_case, PERSISTENT_SPECS, (torch.float32, torch.float16), rng,
+        again=PERSISTENT_AGAIN, strided_spec=PERSISTENT_STRIDED,
+    )  # fmt: skip
+
+
+def _tensor_form(name, got, shape, dtype) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return f"returned {name} as {type(got).__name__}, expected a tensor"
+    if tuple(got.shape) != tuple(shape):
+        return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(shape)}"
+    if got.dtype != dtype:
+        return f"returned {name} as {got.dtype}, expected {dtype}"
+    return None
+
+
+def _owner_problem(owner: torch.Tensor, expected: torch.Tensor, programs: int) -> str | None:
+    wrong = (owner != expected).nonzero()
+    if not len(wrong):
+        return None
+    block = int(wrong[0])
+    got, want = int(owner[block]), int(expected[block])
+    if got == INT32_POISON:
+        return (
+            f"owner[{block}] was never written: no program handled block {block} (it should be "
+            f"program {want}'s)"
+        )
+    if not 0 <= got < programs:
+        return (
+            f"owner[{block}] says program {got} handled block {block}, but only {programs} "
+            f"program{'s' if programs > 1 else ''} were asked for: the grid is (programs,)"
+        )
+    return (
+        f"owner[{block}] says program {got} handled block {block}, expected program {want}: "
+        f"program p handles blocks p, p + {programs}, p + {2 * programs}, ..."
+    )
+
+
+def _check_persistent(case: Case, out) -> str | None:
+    if not isinstance(out, (list, tuple)) or len(out) != 2:
+        return f"returned {type(out).__name__}, expected a pair (out, owner)"
+    (y, owner), (y_ref, owner_expected) = out, case.expected
+    problem = _tensor_form("out", y, y_ref.shape, case.dtype) or _tensor_form(
+        "owner", owner, owner_expected.shape, torch.int32
+    )
+    if problem:
+        return problem
+    unwritten = (check.unwritten(y) & y_ref.isfinite()).flatten()
+    if unwritten.any():
+        first, block_size = int(unwritten.nonzero()[0]), case.args[4]
+        return (
+            f"{int(unwritten.sum())} of {y.numel()} elements of out were never written: they "
+            f"still hold the NaN the grader filled new memory with (first at flat index {first}, "
+            f"in block {first // block_size})"
+        )
+    result = check.compare(y, y_ref, op="elementwise", dtype=case.dtype)
+    if not result.ok:
+        return f"wrong values of out: {result.message}"
+    return _owner_problem(owner, owner_expected, case.args[3])
+
+
 TASKS = [
     Task(
         name="op_cost",
@@ -209,6 +315,17 @@ TASKS = [
         cases=_diagnose_cases,
         check=cases.value("regime"),
         forbidden_names=ROOFLINE_NAMES,
+    ),
+    kernel_task(
+        name="persistent",
+        function="persistent_fma",
+        points=3,
+        summary="a persistent kernel: a grid of `programs` programs, each looping over blocks "
+        "pid, pid + programs, ...; odd sizes, more programs than blocks, fp32 and fp16",
+        hint="launch a grid of (programs,); loop for block in range(pid, cdiv(n, BLOCK_SIZE), "
+        "programs), mask each block's offsets to n, and store pid in owner[block]",
+        cases=_persistent_cases,
+        check=_check_persistent,
     ),
     kernel_task(
         name="poly_gpu",
