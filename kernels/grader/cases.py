@@ -178,6 +178,18 @@ def standard(make: Callable, specs, dtypes, rng, *, again, strided_spec, extra=(
     return cases
 
 
+def tensor_form(name: str, got, shape, dtype) -> str | None:
+    """What is wrong with a returned tensor's type, shape or dtype (None: nothing), for a task
+    that returns more than one tensor, each named in the message."""
+    if not isinstance(got, torch.Tensor):
+        return f"returned {name} as {type(got).__name__}, expected a tensor"
+    if tuple(got.shape) != tuple(shape):
+        return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(shape)}"
+    if got.dtype != dtype:
+        return f"returned {name} as {got.dtype}, expected {dtype}"
+    return None
+
+
 def fp32_tuple_problem(out, expected, names, op: str = "reduction") -> str | None:
     """What is wrong with `out`, a task's tuple of fp32 tensors named `names` (an online
     softmax's running state, say), against `expected`: its form, each tensor's shape and

@@ -219,16 +219,6 @@ def _persistent_cases(rng):
     )  # fmt: skip
 
 
-def _tensor_form(name, got, shape, dtype) -> str | None:
-    if not isinstance(got, torch.Tensor):
-        return f"returned {name} as {type(got).__name__}, expected a tensor"
-    if tuple(got.shape) != tuple(shape):
-        return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(shape)}"
-    if got.dtype != dtype:
-        return f"returned {name} as {got.dtype}, expected {dtype}"
-    return None
-
-
 def _owner_problem(owner: torch.Tensor, expected: torch.Tensor, programs: int) -> str | None:
     wrong = (owner != expected).nonzero()
     if not len(wrong):
@@ -255,7 +245,7 @@ def _check_persistent(case: Case, out) -> str | None:
     if not isinstance(out, (list, tuple)) or len(out) != 2:
         return f"returned {type(out).__name__}, expected a pair (out, owner)"
     (y, owner), (y_ref, owner_expected) = out, case.expected
-    problem = _tensor_form("out", y, y_ref.shape, case.dtype) or _tensor_form(
+    problem = cases.tensor_form("out", y, y_ref.shape, case.dtype) or cases.tensor_form(
         "owner", owner, owner_expected.shape, torch.int32
     )
     if problem:

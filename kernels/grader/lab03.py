@@ -281,21 +281,11 @@ def _split_k_cases(rng):
     )  # fmt: skip
 
 
-def _tensor_form(name, got, shape, dtype) -> str | None:
-    if not isinstance(got, torch.Tensor):
-        return f"returned {name} as {type(got).__name__}, expected a tensor"
-    if tuple(got.shape) != tuple(shape):
-        return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(shape)}"
-    if got.dtype != dtype:
-        return f"returned {name} as {got.dtype}, expected {dtype}"
-    return None
-
-
 def _check_split_k(case: Case, out) -> str | None:
     if not isinstance(out, (list, tuple)) or len(out) != 2:
         return f"returned {type(out).__name__}, expected a pair (c, partials)"
     (c, partials), (c_ref, partials_ref) = out, case.expected
-    problem = _tensor_form("c", c, c_ref.shape, case.dtype) or _tensor_form(
+    problem = cases.tensor_form("c", c, c_ref.shape, case.dtype) or cases.tensor_form(
         "partials", partials, partials_ref.shape, torch.float32
     )
     if problem:
