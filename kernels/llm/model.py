@@ -100,11 +100,14 @@ class Block(nn.Module):
     swiglu_in_gemv = False
     # SwiGLU's product in the gate-and-up GEMV's epilogue (decode.swiglu_gemv: gate and up rows
     # interleaved, so a tile holds both; nothing recomputed): on. The same logits, bit for bit,
-    # one kernel fewer a layer; on the same H100, two runs of 300 and 200 steps: SmolLM2's
-    # shapes 0.712-0.716 ms against 0.728-0.764 with silu_mul, and 0.686 against 0.748; the
-    # llama-1b shape 1.263 against 1.292, and 1.274 against 1.229 (within the two processes'
-    # spread of one path, about 5%: each tunes its own GEMV plans). Where it is on, the MLP's
-    # norm runs in its own kernel, whatever norm_in_gemv says.
+    # one kernel fewer a layer. Three runs on H100s (same versions, 2026-12-06/07), epilogue
+    # against silu_mul: SmolLM2's shapes 0.712-0.716 ms against 0.728-0.764 (3 rounds), 0.686
+    # against 0.748, 0.714 against 0.721: faster in every run; the llama-1b shape 1.263 against
+    # 1.292, 1.274 against 1.229, 1.265 against 1.215: faster once, 4% slower twice, where the
+    # silu_mul path alone spread over 6% between processes (both paths share one tuned plan in
+    # a process: the tuner's key has no activation). On for the chapter's model; the 1B
+    # shape's loss not explained. Where it is on, the MLP's norm runs in its own kernel,
+    # whatever norm_in_gemv says.
     swiglu_in_epilogue = True
 
     def __init__(self, c: ModelConfig):
