@@ -98,6 +98,29 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypat
     assert (Block.norm_in_gemv, Block.swiglu_in_gemv, Block.swiglu_in_epilogue) == defaults
 
 
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_a_long_prefill_takes_the_interleaved_stack_too(weights):
+    """With SwiGLU in the gate-and-up epilogue, a prefill of more rows than the GEMV takes
+    computes gate and up from the same interleaved stack, then silu_mul: one stack of those
+    weights kept on the block, and torch's backend's logits."""
+    from kernels import gemv, llm
+    from kernels.llm import quant
+
+    model = llm.load_model("tiny", device=DEVICE, backend="kernels")
+    reference = llm.load_model("tiny", device=DEVICE, backend="torch")
+    reference.load_state_dict(model.state_dict())
+    if weights == "int8":
+        quant.quantize_int8(model), quant.quantize_int8(reference)
+    tokens = torch.randint(0, model.config.vocab_size, (2, gemv.MAX_ROWS), device=DEVICE)
+    with torch.no_grad(), llm.fusions(swiglu_in_epilogue=True):
+        out = model(tokens, model.new_cache(2, gemv.MAX_ROWS), input_pos=0)
+    ref = reference(tokens, reference.new_cache(2, gemv.MAX_ROWS), input_pos=0)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for layer in model.layers:
+        stacks = [key for key in layer.__dict__["_fused"] if key[0] == ("w_gate", "w_up")]
+        assert stacks == [(("w_gate", "w_up"), True)]  # the interleaved stack alone
+
+
 def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
     from kernels import llm
     from kernels.llm import quant

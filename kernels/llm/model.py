@@ -180,11 +180,17 @@ class Block(nn.Module):
         # (decode.swiglu_linear): one launch fewer, but every column tile of the GEMV recomputes
         # it (speed.down_projection_ms times the last two, the chapter the whole step).
         names = ("w_gate", "w_up")
-        if self.swiglu_in_epilogue and B * S <= gemv.MAX_ROWS:
+        if self.swiglu_in_epilogue:
             h, x = self._norm(x, attended, self.mlp_norm, backend)
             weight, scale = fused_weight(self, names, interleaved=True)
-            act = decode.swiglu_gemv(h.reshape(B * S, -1), weight, scale).view(B, S, -1)
-            return x, self._reduced(project(act, self.w_down, backend))
+            h2 = h.reshape(B * S, -1)
+            if B * S <= gemv.MAX_ROWS:
+                act = decode.swiglu_gemv(h2, weight, scale)
+            else:  # a prefill's rows: the same interleaved stack (no second copy of the
+                # weights), its gate and up columns taken apart for silu_mul
+                gate_up = ops.linear(h2, weight, backend, scale)
+                act = decode.silu_mul(torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1))
+            return x, self._reduced(project(act.view(B, S, -1), self.w_down, backend))
         gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
         if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
             scale = getattr(self.w_down, "scale", None)
