@@ -198,6 +198,12 @@ def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
 
+def gate_then_up(y: torch.Tensor) -> torch.Tensor:
+    """The columns of a product over interleave_rows(gate, up) (M, 2F) put back as silu_mul
+    reads them: gate's F columns, then up's."""
+    return torch.cat((y[:, 0::2], y[:, 1::2]), dim=1)
+
+
 def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for x (M, K) and gate_up = interleave_rows(gate, up)
     (2F, K): the gate-and-up GEMV (kernels.gemv.linear; with `scale` (2F,), interleaved the
@@ -218,8 +224,7 @@ def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Ten
 def swiglu_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:
     """The GEMV's reference (fp64), rounded to x's dtype, then silu_mul's reference."""
     y = gemv.linear_ref(x, gate_up) if scale is None else int8.linear_ref(x, gate_up, scale)
-    gate, up = y[:, 0::2], y[:, 1::2]
-    return silu_mul_ref(torch.cat((gate, up), dim=1))
+    return silu_mul_ref(gate_then_up(y))
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:

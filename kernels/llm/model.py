@@ -189,7 +189,7 @@ class Block(nn.Module):
             else:  # a prefill's rows: the same interleaved stack (no second copy of the
                 # weights), its gate and up columns taken apart for silu_mul
                 gate_up = ops.linear(h2, weight, backend, scale)
-                act = decode.silu_mul(torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1))
+                act = decode.silu_mul(decode.gate_then_up(gate_up))
             return x, self._reduced(project(act.view(B, S, -1), self.w_down, backend))
         gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
         if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
