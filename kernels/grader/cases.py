@@ -180,7 +180,8 @@ def standard(make: Callable, specs, dtypes, rng, *, again, strided_spec, extra=(
 
 def tensor_form(name: str, got, shape, dtype) -> str | None:
     """What is wrong with a returned tensor's type, shape or dtype (None: nothing), for a task
-    that returns more than one tensor, each named in the message."""
+    that returns more than one tensor, each named in the message (fp32_tuple_problem's
+    tensors, Lab 1's persistent and Lab 3's split-K pairs)."""
     if not isinstance(got, torch.Tensor):
         return f"returned {name} as {type(got).__name__}, expected a tensor"
     if tuple(got.shape) != tuple(shape):
@@ -197,12 +198,9 @@ def fp32_tuple_problem(out, expected, names, op: str = "reduction") -> str | Non
     if not isinstance(out, (list, tuple)) or len(out) != len(names):
         return f"returned {type(out).__name__}, expected a tuple ({', '.join(names)})"
     for got, want, name in zip(out, expected, names, strict=True):
-        if not isinstance(got, torch.Tensor):
-            return f"returned {name} as {type(got).__name__}, expected a tensor"
-        if tuple(got.shape) != tuple(want.shape):
-            return f"returned {name} of shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        if got.dtype != torch.float32:
-            return f"returned {name} as {got.dtype}, expected torch.float32"
+        problem = tensor_form(name, got, want.shape, torch.float32)
+        if problem:
+            return problem
         result = check.compare(got, want, op=op, dtype=torch.float32)
         if not result.ok:
             return f"wrong {name}: {result.message}"
