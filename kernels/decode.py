@@ -7,6 +7,11 @@ rotary_kv(qkv, ...): one fused q/k/v projection's output (B, S, (H + 2 Hkv) * hd
   into the KV cache at each token's position. In torch's ops that is a transpose, two
   rotations of five kernels each (two multiplies, a negate, a concatenation, an add), two cache
   writes and their copies: about a dozen launches a layer for a few kilobytes of data.
+rotary_gemv(x, qkv_weight, ...): the same rotation and cache writes as the q/k/v GEMV's epilogue,
+  for a decoding step's rows (one token each): the weight's rows i and i + hd/2 of every head
+  side by side (pair_halves), so each GEMV tile holds both members of its rotary pairs; one
+  launch where the GEMV and rotary_kv take two, nothing recomputed. kernels.split_k's
+  `accumulate` is the GEMV; the tile's last piece of K (an arrival counter) rotates and stores.
 silu_mul(gate_up): SwiGLU's silu(gate) * up from one fused gate/up projection (M, 2F) -> (M, F),
   one kernel where torch launches two.
 swiglu_linear(gate_up, w_down): the same product computed while the down projection's GEMV
@@ -37,15 +42,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gemv, int8, runtime
+from kernels import arrivals, gemv, int8, runtime, split_k
 from kernels import norm as course_norm
+from kernels.arrivals import last_to_arrive
 from kernels.attention import check_attention_inputs
 from kernels.batch_invariant import split_kv_attention
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.primitives import dependent_keywords, swiglu, wait_for_previous
 from kernels.runtime import processors
 from kernels.split_k import product
-from kernels.validate import check_row_vector, check_same, check_tensor
+from kernels.validate import check_row_vector, check_same, check_tensor, input_precision
 
 
 @triton.jit
@@ -93,27 +99,36 @@ def rotary_kv_kernel(
 
 def check_rotary_kv_inputs(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads):
     check_tensor("qkv", qkv, ndim=3)
-    B, S, width = qkv.shape
+    if not qkv.is_contiguous():
+        raise ValueError("qkv must be contiguous")
+    check_rotary_targets(qkv.shape, qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads,
+                         n_kv_heads)  # fmt: skip
+
+
+def check_rotary_targets(shape, like, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads):
+    """A fused projection's output of `shape` (B, S, (H + 2 Hkv) * hd) with `like`'s dtype and
+    device, against the tables, the caches and the positions it is rotated and written by."""
+    B, S, width = shape
     Bc, Hkv, T, hd = k_cache.shape
     if n_kv_heads != Hkv or width != (n_heads + 2 * n_kv_heads) * hd or hd % 2:
         raise ValueError(
-            f"qkv (B, S, (H + 2 Hkv) * hd) = {tuple(qkv.shape)} does not match {n_heads} query "
+            f"qkv (B, S, (H + 2 Hkv) * hd) = {tuple(shape)} does not match {n_heads} query "
             f"heads and a cache of {tuple(k_cache.shape)} (Bc, Hkv, T, hd) with an even hd"
         )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.shape != k_cache.shape or t.stride() != k_cache.stride() or t.stride(-1) != 1:
             raise ValueError(f"{name} must be a (Bc, Hkv, T, hd) tensor with unit-stride hd, "
                              "the two caches alike")  # fmt: skip
-        if t.dtype != qkv.dtype or t.device != qkv.device:
+        if t.dtype != like.dtype or t.device != like.device:
             raise ValueError(f"{name} must have qkv's dtype and device")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.numel() != B * S * hd or not t.is_contiguous() or t.device != qkv.device:
+        if t.numel() != B * S * hd or not t.is_contiguous() or t.device != like.device:
             raise ValueError(f"{name} must be a contiguous (B, 1, S, hd) tensor on qkv's device")
     if rows.shape != (B,) or pos.shape != (B, S) or rows.dtype != torch.int64:
         raise ValueError(f"rows must be (B,) and pos (B, S) int64, got {tuple(rows.shape)}, "
                          f"{tuple(pos.shape)}")  # fmt: skip
-    if not qkv.is_contiguous() or not pos.is_contiguous() or pos.dtype != torch.int64:
-        raise ValueError("qkv and pos must be contiguous, pos int64")
+    if not pos.is_contiguous() or pos.dtype != torch.int64:
+        raise ValueError("pos must be contiguous int64")
 
 
 def rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int):
@@ -149,6 +164,158 @@ def rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv
     k_cache[rows[:, None], :, pos] = k.transpose(1, 2).to(k_cache.dtype)  # (B, S, Hkv, hd)
     v_cache[rows[:, None], :, pos] = v.transpose(1, 2).to(v_cache.dtype)
     return q.to(qkv.dtype)
+
+
+def rotary_gemv_metadata(grid, kernel, args) -> dict:
+    """split_k's profiler entry, with the keys and values the kernel writes into the cache."""
+    meta = split_k.split_k_metadata(grid, kernel, args)
+    written = 2 * args["M"] * args["HKV"] * 2 * args["HALF"] * args["out_ptr"].element_size()
+    return {**meta, "bytes": meta["bytes"] + written}
+
+
+# M is not specialized (see kernels.split_k): one kernel for every batch size.
+@triton.jit(do_not_specialize=["M"], launch_metadata=rotary_gemv_metadata)
+def rotary_gemv_kernel(
+    a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, count_ptr, M, N, K, k_per_split,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, pos_ptr,
+    stride_cb, stride_ch, stride_ct, H, HKV,
+    HALF: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0, LINE: tl.constexpr = 64,
+):  # fmt: skip
+    # kernels.split_k's GEMV (no norm, no gated input), then rotary_kv's work as its ending
+    acc, rows, cols, split, tile, pieces = split_k.accumulate(
+        a_ptr, b_ptr, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
+        a_ptr, a_ptr, a_ptr, 0.0, 0, 1, EVEN_K, INPUT_PRECISION, USE_DOT, False,
+        BLOCK_M, BLOCK_N, BLOCK_K, PDL, PREFETCH_ROWS, LINE,
+    )  # fmt: skip
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if DIRECT:
+        store_rotated(acc, out_ptr, scale_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                      rows_ptr, pos_ptr, rows, cols, mask, M, N, stride_cb, stride_ch, stride_ct,
+                      H, HKV, HALF, HAS_SCALE)  # fmt: skip
+    else:  # the tile's last piece to finish sums the partials (always: no reduce kernel)
+        part_ptrs = split_k.store_partials(acc, part_ptr, rows, cols, mask, M, N, split)
+        if last_to_arrive(count_ptr, tile, pieces):
+            acc = split_k.sum_partials(part_ptrs, M * N, pieces, mask)
+            store_rotated(acc, out_ptr, scale_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                          rows_ptr, pos_ptr, rows, cols, mask, M, N, stride_cb, stride_ch,
+                          stride_ct, H, HKV, HALF, HAS_SCALE)  # fmt: skip
+
+
+@triton.jit
+def store_rotated(
+    acc, out_ptr, scale_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, pos_ptr,
+    rows, cols, mask, M, N, stride_cb, stride_ch, stride_ct, H, HKV,
+    HALF: tl.constexpr, HAS_SCALE: tl.constexpr,
+):  # fmt: skip
+    """rotary_kv on a tile of the q/k/v product whose columns come in rotary pairs
+    (pair_halves): column 2p holds dimension i of a head and 2p + 1 dimension i + HALF, so
+    the tile holds both members of each pair. Each value is rounded to the output's dtype
+    first, as the GEMV would store it for rotary_kv; queries go to q (M, H * hd), keys and
+    values into the cache at each row's cache row and position. Row m is token m (S = 1)."""
+    dtype = out_ptr.dtype.element_ty
+    acc = split_k.scaled_epilogue(acc, scale_ptr, scale_ptr, cols, N, HAS_SCALE, False, "none")
+    y = acc.to(dtype).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(y, (y.shape[0], y.shape[1] // 2, 2)))
+    pair = tl.split(tl.reshape(cols, (cols.shape[0] // 2, 2)))[0] // 2
+    mask = tl.split(tl.reshape(mask, (mask.shape[0], mask.shape[1] // 2, 2)))[0]
+    head = (pair // HALF)[None, :]  # 0..H-1 queries, then HKV keys, then HKV values
+    i = (pair % HALF)[None, :]
+    token = rows.to(tl.int64)[:, None]
+    angle = token * (2 * HALF) + i
+    turn = mask & (head < H + HKV)  # queries and keys turn; values do not
+    c1 = tl.load(cos_ptr + angle, mask=turn, other=1.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + angle + HALF, mask=turn, other=1.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + angle, mask=turn, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + angle + HALF, mask=turn, other=0.0).to(tl.float32)
+    y1 = tl.where(turn, x1 * c1 - x2 * s1, x1).to(dtype)
+    y2 = tl.where(turn, x2 * c2 + x1 * s2, x2).to(dtype)
+    q = out_ptr + token * (H * 2 * HALF) + head * (2 * HALF) + i  # (M, H, 1, hd)
+    is_q = mask & (head < H)
+    tl.store(q, y1, mask=is_q)
+    tl.store(q + HALF, y2, mask=is_q)
+    slot = tl.load(rows_ptr + rows, mask=rows < M, other=0)[:, None]  # int64, as pos
+    at = tl.load(pos_ptr + rows, mask=rows < M, other=0)[:, None]
+    is_v = head >= H + HKV
+    kv_head = tl.where(is_v, head - H - HKV, head - H)
+    cache = slot * stride_cb + kv_head * stride_ch + at * stride_ct + i
+    is_k = mask & (head >= H) & ~is_v
+    tl.store(k_cache_ptr + cache, y1, mask=is_k)
+    tl.store(k_cache_ptr + cache + HALF, y2, mask=is_k)
+    tl.store(v_cache_ptr + cache, y1, mask=mask & is_v)
+    tl.store(v_cache_ptr + cache + HALF, y2, mask=mask & is_v)
+
+
+def rotary_gemv(
+    x,
+    qkv_weight,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    rows,
+    pos,
+    n_heads: int,
+    n_kv_heads: int,
+    scale=None,
+    splits=None,
+) -> torch.Tensor:
+    """rotary_kv of x (B, K) @ w.T, w the fused q/k/v weight (H + 2 Hkv) * hd x K, in one
+    kernel: the GEMV (kernels.gemv.linear; with `scale`, an int8 weight as kernels.int8.linear)
+    with the rotation and the cache writes in its epilogue, one launch where the GEMV and
+    rotary_kv take two. `qkv_weight` is pair_halves(w, hd / 2) (and `scale` paired the same
+    way), so that every tile holds both members of each rotary pair. One token a row (a
+    decoding step): cos, sin (B, 1, 1, hd), rows (B,), pos (B, 1); returns q (B, H, 1, hd), the
+    values rotary_kv gives after the GEMV (q/k/v rounded to x's dtype first). `splits`: K cut
+    into at most that many pieces (kernels.split_k.choose_plan), for tests."""
+    check_tensor("x", x, ndim=2)
+    split_k.check_splits(splits)
+    B, hd = x.shape[0], k_cache.shape[-1]
+    width = (n_heads + 2 * n_kv_heads) * hd
+    check_rotary_targets((B, 1, width), x, cos, sin, k_cache, v_cache, rows, pos, n_heads,
+                         n_kv_heads)  # fmt: skip
+    if qkv_weight.dim() != 2 or qkv_weight.shape[0] != width:
+        raise ValueError(f"qkv_weight must be ((H + 2 Hkv) * hd, K) = ({width}, K), got "
+                         f"{tuple(qkv_weight.shape)}")  # fmt: skip
+    kind = "gemv" if scale is None else "int8"
+    if scale is None:
+        gemv.check_linear_inputs(x, qkv_weight, None)
+    else:
+        int8.check_int8_inputs(x, qkv_weight, scale, None)
+        scale = scale.contiguous()
+    q = x.new_empty((B, n_heads, 1, hd))
+    if B == 0:
+        return q
+    b = qkv_weight.t()
+    plan = split_k.choose_plan(x, b, kind, scale, splits=splits)  # the plain GEMV's plan
+    tiles = cdiv(B, plan.tile.BLOCK_M) * cdiv(width, plan.tile.BLOCK_N)
+    count = arrivals.counters(x.device, tiles) if plan.splits > 1 else q
+    if count is None:  # no counters to be had (kernels.arrivals): the GEMV, then rotary_kv
+        qkv = split_k._run(x, b, plan, scale)
+        qkv = unpair_halves(qkv, hd // 2).view(B, 1, width)
+        return rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
+    parts = q if plan.splits == 1 else x.new_empty((plan.splits, B, width), dtype=torch.float32)
+    launch(rotary_gemv_kernel, (tiles * plan.splits,),
+           x, b, q, parts, q if scale is None else scale, count, B, width, x.shape[1],
+           plan.k_per_split, *x.stride(), *b.stride(), cos, sin, k_cache, v_cache, rows, pos,
+           *k_cache.stride()[:3], n_heads, n_kv_heads, HALF=hd // 2, DIRECT=plan.splits == 1,
+           EVEN_K=x.shape[1] % plan.tile.BLOCK_K == 0, HAS_SCALE=scale is not None,
+           INPUT_PRECISION=input_precision(x.dtype), USE_DOT=not runtime.INTERPRET,
+           **plan.tile.meta(), **split_k.pdl_keywords(b, plan, runtime.PDL))  # fmt: skip
+    return q
+
+
+def rotary_gemv_ref(
+    x, qkv_weight, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int, scale=None
+) -> torch.Tensor:
+    """The GEMV's reference (fp64, rounded to x's dtype), its columns unpaired, then
+    rotary_kv's reference."""
+    y = gemv.linear_ref(x, qkv_weight) if scale is None else int8.linear_ref(x, qkv_weight, scale)
+    qkv = unpair_halves(y, k_cache.shape[-1] // 2).view(x.shape[0], 1, -1)
+    return rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
 
 
 @triton.jit
@@ -189,19 +356,35 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
+def pair_halves(t: torch.Tensor, half: int) -> torch.Tensor:
+    """t (n * 2 half, ...) with rows i and i + half of every block of 2 half rows side by side,
+    at 2i and 2i + 1: the layout in which a GEMV's tile holds both members of each pair
+    (swiglu_gemv's gate and up, rotary_gemv's rotary pairs). A weight or an int8 weight's
+    scales, built once at load."""
+    if t.dim() == 0 or half < 1 or t.shape[0] % (2 * half):
+        raise ValueError(f"pair_halves needs rows in blocks of 2 * half = {2 * half}, got "
+                         f"{tuple(t.shape)}")  # fmt: skip
+    return t.reshape(-1, 2, half, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def unpair_halves(y: torch.Tensor, half: int) -> torch.Tensor:
+    """The columns of a product (M, n * 2 half) over pair_halves(w, half) put back in w's
+    order: pair_halves' inverse, along the columns."""
+    return y.reshape(y.shape[0], -1, half, 2).transpose(2, 3).reshape(y.shape)
+
+
 def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """(2F, ...) with gate's row j at 2j and up's at 2j + 1: the layout swiglu_gemv reads (a
-    weight, or an int8 weight's scales), built once at load."""
-    if gate.shape != up.shape:
+    """(2F, ...) with gate's row j at 2j and up's at 2j + 1: the layout swiglu_gemv reads."""
+    if gate.shape != up.shape or gate.dim() == 0:
         raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)}, "
                          f"{tuple(up.shape)}")  # fmt: skip
-    return torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+    return pair_halves(torch.cat((gate, up)), gate.shape[0])
 
 
 def gate_then_up(y: torch.Tensor) -> torch.Tensor:
     """The columns of a product over interleave_rows(gate, up) (M, 2F) put back as silu_mul
     reads them: gate's F columns, then up's."""
-    return torch.cat((y[:, 0::2], y[:, 1::2]), dim=1)
+    return unpair_halves(y, y.shape[1] // 2)
 
 
 def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:

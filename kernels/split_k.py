@@ -139,6 +139,35 @@ def split_k_kernel(
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
+    acc, rows, cols, split, tile, pieces = accumulate(
+        a_ptr, b_ptr, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
+        res_ptr, g_ptr, stream_ptr, eps, NORM, ROW, EVEN_K, INPUT_PRECISION, USE_DOT, GATED,
+        BLOCK_M, BLOCK_N, BLOCK_K, PDL, PREFETCH_ROWS, LINE,
+    )  # fmt: skip
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if DIRECT:  # one piece: this program's tile is the output
+        store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn,
+                     mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
+    else:  # partials (splits, M, N), contiguous fp32
+        part_ptrs = store_partials(acc, part_ptr, rows, cols, mask, M, N, split)
+        if LAST_SUMS:  # the tile's last piece to finish sums them all (kernels.arrivals)
+            if last_to_arrive(count_ptr, tile, pieces):
+                acc = sum_partials(part_ptrs, M * N, pieces, mask)
+                store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm,
+                             stride_cn, mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
+
+
+@triton.jit
+def accumulate(
+    a_ptr, b_ptr, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
+    res_ptr, g_ptr, stream_ptr, eps, NORM: tl.constexpr, ROW: tl.constexpr,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_ROWS: tl.constexpr, LINE: tl.constexpr,
+):  # fmt: skip
+    """This program's tile of a @ b over its piece of K, in fp32, and where it lies: (acc,
+    rows, cols, which piece of K, which tile, how many pieces). Every kernel that ends a
+    product its own way (split_k_kernel, kernels.decode's rotary_gemv_kernel) starts here."""
     # Row tiles vary fastest: the programs that share a slab of b (a decode weight) run together
     # and read it from DRAM once.
     pid = tl.program_id(0)
@@ -202,19 +231,17 @@ def split_k_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if DIRECT:  # one piece: this program's tile is the output
-        store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn,
-                     mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
-    else:  # partials (splits, M, N), contiguous fp32
-        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(part_ptr + split.to(tl.int64) * M * N + offsets, acc, mask=mask)
-        pieces = tl.num_programs(0) // (tiles_m * tiles_n)
-        if LAST_SUMS:  # the tile's last piece to finish sums them all (kernels.arrivals)
-            if last_to_arrive(count_ptr, pid % (tiles_m * tiles_n), pieces):
-                acc = sum_partials(part_ptr + offsets, M * N, pieces, mask)
-                store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm,
-                             stride_cn, mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
+    pieces = tl.num_programs(0) // (tiles_m * tiles_n)
+    return acc, rows, cols, split, pid % (tiles_m * tiles_n), pieces
+
+
+@triton.jit
+def store_partials(acc, part_ptr, rows, cols, mask, M, N, split):
+    """This piece's partial tile into the (splits, M, N) fp32 buffer; returns the pointers of
+    split 0's partials of the tile, where sum_partials starts."""
+    part_ptrs = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(part_ptrs + split.to(tl.int64) * M * N, acc, mask=mask)
+    return part_ptrs
 
 
 @triton.jit
@@ -367,8 +394,16 @@ def product(
         return torch.zeros((M, N // 2 if glu else N), dtype=a.dtype, device=a.device)
     if K == 0:  # an empty sum: zeros, then the epilogue
         return matmul_ref(a[:, :0], b.to(a.dtype), bias, activation)
-    key = (a.dtype, b.dtype, a.device.index, input_precision(a.dtype), gated)
+    plan = choose_plan(a, b, kind, scale, bias, activation, gated, splits)
+    return _run(a, b, plan, scale, bias, activation, gated, norm)
 
+
+def choose_plan(a, b, kind, scale=None, bias=None, activation=None, gated=False, splits=None):
+    """The plan of kernels.split_k_tuning for (kind, N, K, the dtypes, the device), timed (on
+    its first call for the key) with this product's scale, bias and activation; `splits`: K
+    cut into at most that many pieces instead of the plan's."""
+    K, N = b.shape
+    key = (a.dtype, b.dtype, a.device.index, input_precision(a.dtype), gated)
     copies = []  # b's rotating copies, made on the first timing
 
     def time_plan(candidate, rows):  # a fresh a of `rows` rows, the caller's b, scale, bias
@@ -384,9 +419,7 @@ def product(
 
     capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing can be timed
     plan = tuning.plan(kind, N, K, key, time_plan, remember=not capturing)
-    if splits is not None:
-        plan = _with_splits(plan, K, splits)
-    return _run(a, b, plan, scale, bias, activation, gated, norm)
+    return plan if splits is None else _with_splits(plan, K, splits)
 
 
 def check_splits(splits):

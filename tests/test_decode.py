@@ -73,36 +73,99 @@ def test_silu_mul_rejects_an_odd_last_dim():
         decode.silu_mul(torch.zeros((2, 3), device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+@pytest.mark.parametrize("splits", [None, 3, "no counters"], ids=str)
 @pytest.mark.parametrize(
-    "fusion", ["as it is", "separate", "norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue"]
-)
+    "shape", [(1, 3, 1, 64, 40), (3, 4, 2, 6, 33), (17, 9, 3, 34, 200)], ids=str
+)  # (B, H, Hkv, hd, K)
+def test_rotary_gemv_matches_fp64_and_the_gemv_then_rotary_kv(shape, splits, weights, dtype,
+                                                              monkeypatch):  # fmt: skip
+    """The q/k/v GEMV with rotary_kv in its epilogue, against the GEMV's fp64 reference then
+    rotary_kv's, on odd shapes, K whole or cut into 3 pieces (summed by each tile's last
+    piece; or, with no arrival counters to be had, the GEMV then rotary_kv); on the
+    interpreter bit for bit what the GEMV then rotary_kv give."""
+    from kernels import arrivals, gemv, int8
+
+    B, H, Hkv, hd, K = shape
+    if splits == "no counters":
+        monkeypatch.setattr(arrivals, "counters", lambda device, tiles: None)
+        splits = 3
+    x = check.random_tensor((B, K), dtype, seed=11, scale=2.0)
+    w = check.random_tensor(((H + 2 * Hkv) * hd, K), dtype, seed=12, scale=K**-0.5)
+    weight, scale = decode.pair_halves(w, hd // 2), None
+    if weights == "int8":
+        weight, scale = int8.quantize(weight.float())
+    _, cos, sin, k_cache, v_cache, rows, pos, _, _ = rotary_case(B, 1, H, Hkv, hd, 7, dtype, True)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref = decode.rotary_gemv_ref(x, weight, cos, sin, k_ref, v_ref, rows, pos, H, Hkv, scale)
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    q = decode.rotary_gemv(x, weight, cos, sin, k_cache, v_cache, rows, pos, H, Hkv, scale,
+                           splits=splits)  # fmt: skip
+    assert q.shape == (B, H, 1, hd) and q.dtype == dtype
+    tol = 2 * TOL[dtype]
+    for out, ref in ((q, q_ref), (k_cache, k_ref), (v_cache, v_ref)):
+        torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    if DEVICE.type == "cpu" and splits is None:  # one piece on the interpreter: the same bits
+        y = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+        qkv = decode.unpair_halves(y, hd // 2).view(B, 1, -1)
+        two = decode.rotary_kv(qkv, cos, sin, k_two, v_two, rows, pos, H, Hkv)
+        assert torch.equal(q, two) and torch.equal(k_cache, k_two)
+        assert torch.equal(v_cache, v_two)
+
+
+def test_rotary_gemv_rejects_bad_inputs_clearly():
+    case = rotary_case(2, 1, 4, 2, 8, 6, torch.float32, False)
+    _, cos, sin, k_cache, v_cache, rows, pos, H, Hkv = case
+    x = torch.zeros((2, 5), device=DEVICE)
+    weight = torch.zeros(((H + 2 * Hkv) * 8, 5), device=DEVICE)
+    with pytest.raises(ValueError, match=r"qkv_weight must be \(\(H \+ 2 Hkv\) \* hd, K\)"):
+        decode.rotary_gemv(x, weight, cos, sin, k_cache, v_cache, rows, pos, 3, Hkv)
+    with pytest.raises(ValueError, match=r"= \(64, K\), got \(63, 5\)"):
+        decode.rotary_gemv(x, weight[1:], cos, sin, k_cache, v_cache, rows, pos, H, Hkv)
+    with pytest.raises(ValueError, match="columns to match"):
+        decode.rotary_gemv(x, weight[:, 1:], cos, sin, k_cache, v_cache, rows, pos, H, Hkv)
+    with pytest.raises(ValueError, match="pos"):
+        decode.rotary_gemv(x, weight, cos, sin, k_cache, v_cache, rows, pos[:, :0], H, Hkv)
+    with pytest.raises(ValueError, match="blocks of 2"):
+        decode.pair_halves(weight[:5], 4)
+
+
+@pytest.mark.parametrize(
+    "fusion",
+    ["as it is", "separate", "norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue",
+     "rotary_in_epilogue"],
+)  # fmt: skip
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypatch):
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
     (the norms in their own kernels or inside the GEMVs after them; SwiGLU's product in its
-    own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue; "as it is": the
-    model's own choice, SwiGLU in the epilogue) gives the logits of the layer-by-layer path
+    own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue; rotary and the
+    cache writes in the q/k/v GEMV's epilogue; "as it is": the model's own choice, SwiGLU in
+    the epilogue) gives the logits of the layer-by-layer path
     (torch's backend, same weights), token by token over a prefill and two decode steps, with
     rows at different positions too."""
     from kernels import llm
     from kernels.llm.model import Block
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
-    defaults = (Block.norm_in_gemv, Block.swiglu_in_gemv, Block.swiglu_in_epilogue)
+    names = ("norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue", "rotary_in_epilogue")
+    defaults = [getattr(Block, name) for name in names]
     if fusion == "as it is":
-        assert Block.swiglu_in_epilogue and not (Block.norm_in_gemv or Block.swiglu_in_gemv)
+        assert defaults == [False, False, True, False]
         _tiny_model_both_ways(model, weights, "swiglu_in_epilogue", monkeypatch)
         return
     with llm.fusions(**({} if fusion == "separate" else {fusion: True})):
         _tiny_model_both_ways(model, weights, fusion, monkeypatch)
-    assert (Block.norm_in_gemv, Block.swiglu_in_gemv, Block.swiglu_in_epilogue) == defaults
+    assert [getattr(Block, name) for name in names] == defaults
 
 
 @pytest.mark.parametrize("weights", ["float", "int8"])
-def test_a_long_prefill_takes_the_interleaved_stack_too(weights):
-    """With SwiGLU in the gate-and-up epilogue, a prefill of more rows than the GEMV takes
-    computes gate and up from the same interleaved stack, then silu_mul: one stack of those
-    weights kept on the block, and torch's backend's logits."""
+def test_a_long_prefill_takes_the_paired_stacks_too(weights):
+    """With SwiGLU in the gate-and-up epilogue and rotary in the q/k/v one, a prefill of more
+    rows than the GEMV takes computes gate and up, and q, k and v, from the same paired stacks
+    (their columns unpaired for silu_mul and rotary_kv): one stack of each kept on the block,
+    and torch's backend's logits."""
     from kernels import gemv, llm
     from kernels.llm import quant
 
@@ -112,13 +175,16 @@ def test_a_long_prefill_takes_the_interleaved_stack_too(weights):
     if weights == "int8":
         quant.quantize_int8(model), quant.quantize_int8(reference)
     tokens = torch.randint(0, model.config.vocab_size, (2, gemv.MAX_ROWS), device=DEVICE)
-    with torch.no_grad(), llm.fusions(swiglu_in_epilogue=True):
+    with torch.no_grad(), llm.fusions(swiglu_in_epilogue=True, rotary_in_epilogue=True):
         out = model(tokens, model.new_cache(2, gemv.MAX_ROWS), input_pos=0)
     ref = reference(tokens, reference.new_cache(2, gemv.MAX_ROWS), input_pos=0)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    for layer in model.layers:
-        stacks = [key for key in layer.__dict__["_fused"] if key[0] == ("w_gate", "w_up")]
-        assert stacks == [(("w_gate", "w_up"), True)]  # the interleaved stack alone
+    c = model.config
+    for layer in model.layers:  # the paired stacks alone
+        assert list(layer.__dict__["_fused"]) == [
+            (("wq", "wk", "wv"), c.head_dim // 2),
+            (("w_gate", "w_up"), c.d_ff),
+        ]
 
 
 def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
@@ -131,9 +197,10 @@ def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
             raise AssertionError("silu_mul ran: SwiGLU's product was not inside the GEMV")
 
         monkeypatch.setattr(decode, "silu_mul", refuse)
-    calls = []  # the norms inside the GEMVs ran (or did not)
-    norm_linear = decode.norm_linear
+    calls, rotated = [], []  # the norms inside the GEMVs, rotary in the epilogue ran (or not)
+    norm_linear, rotary_gemv = decode.norm_linear, decode.rotary_gemv
     monkeypatch.setattr(decode, "norm_linear", lambda *a: calls.append(1) or norm_linear(*a))
+    monkeypatch.setattr(decode, "rotary_gemv", lambda *a: rotated.append(1) or rotary_gemv(*a))
     reference = llm.load_model("tiny", device=DEVICE, backend="torch")
     reference.load_state_dict(model.state_dict())
     if weights == "int8":
@@ -153,6 +220,7 @@ def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
     assert "_fused" in model.layers[0].__dict__  # the fused path ran
     in_gemv = 3 * (2 * model.config.n_layers - 1 + 1)  # every norm but layer 0's first
     assert len(calls) == (in_gemv if fusion == "norm_in_gemv" else 0)
+    assert len(rotated) == (2 * model.config.n_layers if fusion == "rotary_in_epilogue" else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

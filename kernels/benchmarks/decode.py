@@ -15,7 +15,8 @@ the work), rated in GB/s of the step's bytes (kernels.llm.speed.step_bytes: ever
 and the cache): their % of copy is the % of the speed-of-light line. Against torch's ops in the
 same graph, the course's kernels without dependent launch (kernels.runtime.PDL) and with
 SwiGLU's product in a kernel of its own rather than the gate-and-up GEMV's epilogue (none of
-llm.fusions); int8 weights against bf16.
+llm.fusions), and with rotary in the q/k/v GEMV's epilogue as well (decode.rotary_gemv, to be
+timed before the model turns it on); int8 weights against bf16.
 Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape >= 65%, its int8 >=
 1.6x its bf16.
 """
@@ -96,6 +97,10 @@ def bench_split_k(ceilings):
     ]
 
 
+# The model's fusions and rotary in the q/k/v GEMV's epilogue (off in the model until timed)
+ROTARY_TOO = {"swiglu_in_epilogue": True, "rotary_in_epilogue": True}
+
+
 def bench_decode_steps(ceilings):
     """A decoding step of each of STEP_MODELS, bf16 and int8, as the module says."""
     from kernels import llm, runtime
@@ -109,6 +114,7 @@ def bench_decode_steps(ceilings):
             ("torch", True, None, "torch's ops"),
             ("kernels", False, None, "without dependent launch"),
             ("kernels", True, {}, "SwiGLU in a kernel of its own"),
+            ("kernels", True, ROTARY_TOO, "rotary in the q/k/v GEMV's epilogue"),
             ("kernels", True, None, "kernels"),
         ):
             model.backend = backend

@@ -65,21 +65,22 @@ def project(x, linear: nn.Linear, backend):
     return ops.linear(x, linear.weight, backend, getattr(linear, "scale", None))
 
 
-def fused_weight(block: nn.Module, names: tuple[str, ...], interleaved: bool = False):
+def fused_weight(block: nn.Module, names: tuple[str, ...], half: int = 0):
     """The weights (and int8 scales) of `names` stacked along their output rows: one GEMV
-    reads them all (q, k and v; gate and up); `interleaved`: two weights' rows alternating
-    (decode.interleave_rows, for decode.swiglu_gemv). Built on first use and kept on the block,
+    reads them all (q, k and v; gate and up); `half` > 0: with rows i and i + half of every
+    2 half rows side by side (decode.pair_halves: gate beside up for decode.swiglu_gemv, each
+    head's rotary pairs for decode.rotary_gemv). Built on first use and kept on the block,
     rebuilt when a weight is replaced (kernels.llm.quant, a load)."""
     linears = [getattr(block, n) for n in names]
     key = tuple((lin.weight.data_ptr(), lin.weight.dtype) for lin in linears)
     kept = block.__dict__.setdefault("_fused", {})
-    if kept.get((names, interleaved), (None,))[0] != key:
-        stack = decode.interleave_rows if interleaved else lambda *ts: torch.cat(ts)
+    if kept.get((names, half), (None,))[0] != key:
+        stack = lambda *ts: decode.pair_halves(torch.cat(ts), half) if half else torch.cat(ts)
         weight = stack(*[lin.weight.detach() for lin in linears])
         scales = [getattr(lin, "scale", None) for lin in linears]
         scale = None if scales[0] is None else stack(*scales)
-        kept[(names, interleaved)] = (key, weight, scale)
-    return kept[(names, interleaved)][1:]
+        kept[(names, half)] = (key, weight, scale)
+    return kept[(names, half)][1:]
 
 
 def fused_project(x, block, names):
@@ -109,6 +110,13 @@ class Block(nn.Module):
     # shape's loss not explained. Where it is on, the MLP's norm runs in its own kernel,
     # whatever norm_in_gemv says.
     swiglu_in_epilogue = True
+    # Rotary, and the new keys and values written into the cache, in the q/k/v GEMV's epilogue
+    # (decode.rotary_gemv: each head's rows i and i + hd/2 side by side, so a tile holds both
+    # members of every rotary pair; nothing recomputed), for a decoding step's rows of one
+    # token each: the rotary_kv launch removed, one kernel fewer a layer again. Off until a
+    # GPU has timed it (`python -m kernels bench decode` has it as a baseline); where it is on,
+    # the attention's norm runs in its own kernel, whatever norm_in_gemv says.
+    rotary_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -146,10 +154,22 @@ class Block(nn.Module):
         in_gemv = norms_in_gemvs(backend, B * S, c.d_model)
         if fused and cache is not None:  # the new keys and values go into the cache directly
             k_cache, v_cache, rows, gather, pos, kv_lens, length, start = cache
-            names = ("wq", "wk", "wv")
-            qkv, x = self._normed_project(x, delta, self.attn_norm, names, in_gemv, backend)
-            q = decode.rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos,
-                                 c.n_heads, c.n_kv_heads)  # (B, H, S, hd) # fmt: skip
+            names, half = ("wq", "wk", "wv"), c.head_dim // 2
+            if not self.rotary_in_epilogue:
+                qkv, x = self._normed_project(x, delta, self.attn_norm, names, in_gemv, backend)
+                q = decode.rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos,
+                                     c.n_heads, c.n_kv_heads)  # (B, H, S, hd) # fmt: skip
+            else:  # one stack of q/k/v, its rotary pairs side by side
+                h, x = self._norm(x, delta, self.attn_norm, backend)
+                weight, scale = fused_weight(self, names, half)
+                if S == 1 and B <= gemv.MAX_ROWS:  # a decoding step: rotary in the epilogue
+                    q = decode.rotary_gemv(h.reshape(B, -1), weight, cos, sin, k_cache, v_cache,
+                                           rows, pos, c.n_heads, c.n_kv_heads, scale)  # fmt: skip
+                else:  # a prefill's rows: the same stack, its columns unpaired for rotary_kv
+                    qkv = ops.linear(h.reshape(B * S, -1), weight, backend, scale)
+                    qkv = decode.unpair_halves(qkv, half).view(B, S, -1)
+                    q = decode.rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos,
+                                         c.n_heads, c.n_kv_heads)  # fmt: skip
             y = self.attend(q, cache, backend)
         else:
             h, x = self._norm(x, delta, self.attn_norm, backend)  # (B, S, D)
@@ -182,7 +202,7 @@ class Block(nn.Module):
         names = ("w_gate", "w_up")
         if self.swiglu_in_epilogue:
             h, x = self._norm(x, attended, self.mlp_norm, backend)
-            weight, scale = fused_weight(self, names, interleaved=True)
+            weight, scale = fused_weight(self, names, half=c.d_ff)
             h2 = h.reshape(B * S, -1)
             if B * S <= gemv.MAX_ROWS:
                 act = decode.swiglu_gemv(h2, weight, scale)
@@ -347,18 +367,24 @@ class Transformer(nn.Module):
 
 
 @contextlib.contextmanager
-def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False):
+def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False,
+            rotary_in_epilogue=False):  # fmt: skip
     """Block's fusions set for the block, each off unless named (fusions() is the step with
     none of them; to time a step with some: a CUDA graph keeps what its capture ran), then as
     they were."""
-    names = ("norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue")
-    saved = [getattr(Block, name) for name in names]
-    for name, on in zip(names, (norm_in_gemv, swiglu_in_gemv, swiglu_in_epilogue), strict=True):
+    switches = {
+        "norm_in_gemv": norm_in_gemv,
+        "swiglu_in_gemv": swiglu_in_gemv,
+        "swiglu_in_epilogue": swiglu_in_epilogue,
+        "rotary_in_epilogue": rotary_in_epilogue,
+    }
+    saved = {name: getattr(Block, name) for name in switches}
+    for name, on in switches.items():
         setattr(Block, name, bool(on))
     try:
         yield
     finally:
-        for name, value in zip(names, saved, strict=True):
+        for name, value in saved.items():
             setattr(Block, name, value)
 
 
