@@ -20,6 +20,10 @@ swiglu_linear(gate_up, w_down): the same product computed while the down project
 norm_linear(x, residual, g, eps, weight): the residual add and RMSNorm before a projection,
   formed while the GEMV loads its input (kernels.split_k's NORM tiles): (y, x + residual), one
   launch where kernels.norm.add_rms_norm and the GEMV take two (M <= 64).
+linear_norm(x, weight, residual, g, eps): the other side of the same boundary: the GEMV that
+  ends a sub-block (wo) with the residual add and RMSNorm after it in its epilogue, done once a
+  row by the row's last column tile to be stored (an arrival counter): (y, x @ W.T + residual),
+  one launch where the GEMV and kernels.norm.add_rms_norm take two, nothing recomputed.
 
 attention(q, k, v, kv_lens): one query a row (decode) over a KV cache, with grouped-query
   heads: the GROUP query heads that share a key/value head are one tile of rows, so each key
@@ -484,6 +488,57 @@ def norm_linear_ref(x, residual, norm_weight, eps: float, weight, scale=None):
     if scale is not None:
         return int8.linear_ref(y, weight, scale), h
     return gemv.linear_ref(y, weight), h
+
+
+def linear_norm(x, weight, residual, norm_weight, eps: float, scale=None, splits=None):
+    """(y, h) with h = residual + x @ weight.T (the product rounded to x's dtype first) and
+    y = rms_norm(h) * norm_weight: a projection that ends a sub-block (wo, w_down) with the
+    residual add and RMSNorm that start the next in its epilogue (kernels.split_k's
+    "add_rms_norm" ending: the last column tile of a row tile to be stored adds the residual to
+    its rows and normalizes them), one launch where the GEMV and kernels.norm.add_rms_norm take
+    two, nothing recomputed. x (M, K) with M <= kernels.gemv.MAX_ROWS; weight (N, K) in x's
+    dtype, or int8 with its `scale` (N,); residual (M, N) and norm_weight (N,) in x's dtype,
+    N <= NORM_MAX_K (a row is normalized whole). The values of the GEMV then add_rms_norm.
+    `splits`: K cut into at most that many pieces (kernels.split_k.choose_plan), for tests."""
+    check_tensor("x", x, ndim=2)
+    split_k.check_splits(splits)
+    if scale is None:
+        gemv.check_linear_inputs(x, weight, None)
+        kind = "gemv"
+    else:
+        int8.check_int8_inputs(x, weight, scale, None)
+        kind, scale = "int8", scale.contiguous()
+    M, N = x.shape[0], weight.shape[0]
+    check_tensor("residual", residual, ndim=2)
+    check_same("x and residual", x, residual, shape=False)
+    if residual.shape != (M, N):
+        raise ValueError(f"residual must be (M, N) = ({M}, {N}), the product's shape, got "
+                         f"{tuple(residual.shape)}")  # fmt: skip
+    check_row_vector("norm_weight", norm_weight, residual)
+    if N > NORM_MAX_K:
+        raise ValueError(f"linear_norm normalizes a whole row in registers: at most {NORM_MAX_K} "
+                         f"outputs, got {N}")  # fmt: skip
+    if M > gemv.MAX_ROWS:
+        raise ValueError(f"linear_norm is for a decoding step's rows (M <= {gemv.MAX_ROWS}), "
+                         f"got M = {M}: use a matmul, then kernels.norm.add_rms_norm")  # fmt: skip
+    residual, g = residual.contiguous(), norm_weight.contiguous()
+    if M > 0 and N > 0 and x.shape[1] > 0:
+        b = weight.t()
+        plan = split_k.choose_plan(x, b, kind, scale, splits=splits)  # the plain GEMV's plan
+        row_tiles = cdiv(M, plan.tile.BLOCK_M)
+        if arrivals.counters(x.device, row_tiles * (1 + cdiv(N, plan.tile.BLOCK_N))) is not None:
+            h = torch.empty_like(residual)
+            y = split_k._run(x, b, plan, scale, None, "add_rms_norm", norm=(residual, g, eps, h))
+            return y, h
+    # nothing to sum, or no counters to be had (kernels.arrivals): the GEMV, then the norm
+    product = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+    return course_norm.add_rms_norm(product, residual, g, eps)
+
+
+def linear_norm_ref(x, weight, residual, norm_weight, eps: float, scale=None):
+    """The GEMV's reference (rounded to x's dtype), then add_rms_norm's."""
+    y = gemv.linear_ref(x, weight) if scale is None else int8.linear_ref(x, weight, scale)
+    return course_norm.add_rms_norm_ref(y, residual, norm_weight, eps)
 
 
 def decode_split(Sk: int, kv_heads: int, sms: int | None = None) -> int:

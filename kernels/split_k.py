@@ -16,6 +16,11 @@ and stores the output itself (no partials).
 What a decoding step fuses into the loads of a (kernels.decode): SwiGLU's product (GATED: a
 holds gate then up) and the residual add and RMSNorm before a projection (NORM: each program
 first sums its rows' squares of a + res over all of K, then normalizes each tile it loads).
+And into the ending of a tile (`finish`, store_output): SwiGLU's product (activation "swiglu",
+gate and up columns side by side), or the residual add and RMSNorm after the product
+("add_rms_norm": the last column tile of a row tile to be stored normalizes its rows).
+kernels.decode's rotary_gemv_kernel starts from the same tile loop (`accumulate`) and ends its
+own way.
 Under dependent launch (kernels.runtime.PDL) a program asks for its first weight lines in L2
 before it waits for the kernel before it (kernels.primitives.wait_for_previous).
 
@@ -133,6 +138,7 @@ def split_k_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     res_ptr, g_ptr, stream_ptr, eps,
     NORM: tl.constexpr, ROW: tl.constexpr,  # NORM 0, 1 (normalize), 2 (and store); ROW >= K
+    # (or >= N: the "add_rms_norm" ending, see finish)
     DIRECT: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
@@ -146,15 +152,62 @@ def split_k_kernel(
     )  # fmt: skip
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if DIRECT:  # one piece: this program's tile is the output
-        store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn,
-                     mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
+        finish(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, M, N, stride_cm, stride_cn, mask,
+               res_ptr, g_ptr, stream_ptr, count_ptr, tile, eps, HAS_SCALE, HAS_BIAS,
+               ACTIVATION, ROW, BLOCK_M, BLOCK_N)  # fmt: skip
     else:  # partials (splits, M, N), contiguous fp32
         part_ptrs = store_partials(acc, part_ptr, rows, cols, mask, M, N, split)
         if LAST_SUMS:  # the tile's last piece to finish sums them all (kernels.arrivals)
             if last_to_arrive(count_ptr, tile, pieces):
                 acc = sum_partials(part_ptrs, M * N, pieces, mask)
-                store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm,
-                             stride_cn, mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
+                finish(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, M, N, stride_cm,
+                       stride_cn, mask, res_ptr, g_ptr, stream_ptr, count_ptr, tile, eps,
+                       HAS_SCALE, HAS_BIAS, ACTIVATION, ROW, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
+def finish(
+    acc, out_ptr, scale_ptr, bias_ptr, rows, cols, M, N, stride_cm, stride_cn, mask,
+    res_ptr, g_ptr, stream_ptr, count_ptr, tile, eps,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A finished tile's ending: store_output's; or ("add_rms_norm", kernels.decode.linear_norm)
+    the product stored into stream (M, N), and the last of a row tile's column tiles to get
+    here adds the residual to each of its rows and normalizes it into out (add_norm_rows).
+    The row counters follow the tile counters (kernels.arrivals)."""
+    if ACTIVATION == "add_rms_norm":
+        store_output(acc, stream_ptr, scale_ptr, bias_ptr, rows, cols, N, N, 1, mask,
+                     HAS_SCALE, HAS_BIAS, "none")  # fmt: skip
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        row_tile = tile % tiles_m
+        if last_to_arrive(count_ptr + tiles_m * tl.cdiv(N, BLOCK_N), row_tile, tl.cdiv(N, BLOCK_N)):
+            add_norm_rows(stream_ptr, res_ptr, g_ptr, out_ptr, row_tile * BLOCK_M, M, N, eps,
+                          BLOCK_M, ROW)  # fmt: skip
+    else:
+        store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn,
+                     mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
+
+
+@triton.jit
+def add_norm_rows(s_ptr, res_ptr, g_ptr, out_ptr, first_row, M, N, eps,
+                  BLOCK_M: tl.constexpr, ROW: tl.constexpr):  # fmt: skip
+    """Rows first_row .. first_row + BLOCK_M - 1 (those below M) of s (M, N), which every
+    column tile of the row tile has just stored: s + res stored over s, and rms_norm(s + res)
+    * g into out, computed and rounded as kernels.norm's add_rms_norm does. A whole row at a
+    time (ROW >= N); s is read through L2 only (.cg): other programs wrote it."""
+    ks = tl.arange(0, ROW)
+    k_ok = ks < N
+    g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    for i in range(0, tl.minimum(BLOCK_M, M - first_row)):
+        offsets = (first_row + i).to(tl.int64) * N + ks
+        y = tl.load(s_ptr + offsets, mask=k_ok, other=0.0, cache_modifier=".cg")
+        r = tl.load(res_ptr + offsets, mask=k_ok, other=0.0)
+        h = (y.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + offsets, h, mask=k_ok)
+        h = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        tl.store(out_ptr + offsets, (h * rstd * g).to(out_ptr.dtype.element_ty), mask=k_ok)
 
 
 @triton.jit
@@ -314,9 +367,13 @@ def last_piece_sums(plan) -> bool:
 def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=None):
     """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0; gated: a is (M, 2K),
     gate then up, and the product is silu(gate) * up @ b; norm: (res, g, eps, stream), the
-    product is rms_norm(a + res) * g @ b, with a + res stored into stream (or not: None)."""
+    product is rms_norm(a + res) * g @ b, with a + res stored into stream (or not: None).
+    activation "add_rms_norm" (kernels.decode.linear_norm): norm's tuple is the output's
+    instead, res (M, N) contiguous and stream (M, N) a new buffer: stream = res + a @ b and
+    the output rms_norm(stream) * g, with arrival counters to be had (the caller checks)."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     tile = plan.tile
+    after = activation == "add_rms_norm"
     out = a.new_empty((M, N // 2 if activation == "swiglu" else N))
     parts = out  # stands in when there is one piece
     if plan.splits > 1:
@@ -327,17 +384,22 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
     scale = out if scale is None else scale
     bias = out if bias is None else bias
     res, g, eps, stream = norm or (a, a, 0.0, None)  # a stands in, never read
-    norm_flag = 0 if norm is None else 1 if stream is None else 2
+    norm_flag = 0 if norm is None or after else 1 if stream is None else 2
     stream = out if stream is None else stream  # stands in, never written
     tiles = cdiv(M, tile.BLOCK_M) * cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
-    count = arrivals.counters(a.device, tiles) if last_piece_sums(plan) else None
+    count = None
+    if after:  # each tile's counter, then each row tile's
+        count = arrivals.counters(a.device, tiles + cdiv(M, tile.BLOCK_M))
+    elif last_piece_sums(plan):
+        count = arrivals.counters(a.device, tiles)
     pdl = runtime.PDL
     launch(split_k_kernel, (tiles * plan.splits,),
         a, b, out, parts, scale, bias, out if count is None else count, M, N, K,
         plan.k_per_split, *a.stride(), *b.stride(), *out.stride(), res, g, stream, float(eps),
-        NORM=norm_flag, ROW=next_power_of_2(K) if norm else 1, DIRECT=plan.splits == 1,
-        LAST_SUMS=count is not None, EVEN_K=K % tile.BLOCK_K == 0,
+        NORM=norm_flag, ROW=next_power_of_2(N if after else K) if norm else 1,
+        DIRECT=plan.splits == 1, LAST_SUMS=plan.splits > 1 and count is not None,
+        EVEN_K=K % tile.BLOCK_K == 0,
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
         **flags, **meta, **pdl_keywords(b, plan, pdl),
     )  # fmt: skip

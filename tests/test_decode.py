@@ -131,31 +131,84 @@ def test_rotary_gemv_rejects_bad_inputs_clearly():
         decode.pair_halves(weight[:5], 4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+@pytest.mark.parametrize("splits", [None, 3, "no counters"], ids=str)
+@pytest.mark.parametrize("shape", [(1, 70, 40), (3, 129, 33), (17, 64, 200)], ids=str)  # M, N, K
+def test_linear_norm_matches_fp64_and_the_gemv_then_add_rms_norm(shape, splits, weights, dtype,
+                                                                 monkeypatch):  # fmt: skip
+    """A projection with the residual add and RMSNorm after it in its epilogue, against the
+    GEMV's reference then add_rms_norm's, on odd shapes (N across several column tiles, whose
+    last to finish normalizes the row), K whole or cut into 3 pieces (each tile's last piece
+    sums them, then the row's last tile normalizes; with no arrival counters to be had, the
+    GEMV then add_rms_norm); on the interpreter bit for bit what those two kernels give."""
+    from kernels import arrivals, gemv, int8
+    from kernels import norm as course_norm
+
+    M, N, K = shape
+    if splits == "no counters":
+        monkeypatch.setattr(arrivals, "counters", lambda device, tiles: None)
+        splits = 3
+    x = check.random_tensor((M, K), dtype, seed=13, scale=2.0)
+    weight = check.random_tensor((N, K), dtype, seed=14, scale=K**-0.5)
+    residual = check.random_tensor((M, N), dtype, seed=15)
+    g = check.random_tensor((N,), dtype, seed=16) + 1
+    scale = None
+    if weights == "int8":
+        weight, scale = int8.quantize(weight.float())
+    y, h = decode.linear_norm(x, weight, residual, g, 1e-5, scale, splits=splits)
+    y_ref, h_ref = decode.linear_norm_ref(x, weight, residual, g, 1e-5, scale)
+    assert y.shape == h.shape == (M, N) and y.dtype == h.dtype == dtype
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(h.double(), h_ref.double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(y.double(), y_ref.double(), atol=4 * tol, rtol=4 * tol)
+    if DEVICE.type == "cpu" and splits is None:  # the same sums on the interpreter: the same bits
+        product = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+        y_two, h_two = course_norm.add_rms_norm(product, residual, g, 1e-5)
+        assert torch.equal(y, y_two) and torch.equal(h, h_two)
+
+
+def test_linear_norm_rejects_bad_inputs_clearly():
+    x, w = torch.zeros((2, 5), device=DEVICE), torch.zeros((6, 5), device=DEVICE)
+    r, g = torch.zeros((2, 6), device=DEVICE), torch.ones(6, device=DEVICE)
+    with pytest.raises(ValueError, match=r"residual must be \(M, N\) = \(2, 6\)"):
+        decode.linear_norm(x, w, r[:, :5], g, 1e-5)
+    with pytest.raises(ValueError, match="norm_weight must have x's last dim"):
+        decode.linear_norm(x, w, r, g[:5], 1e-5)
+    with pytest.raises(ValueError, match="M <= 64"):
+        decode.linear_norm(torch.zeros((65, 5), device=DEVICE), w, torch.zeros((65, 6)), g, 1e-5)
+    y, h = decode.linear_norm(x[:, :0], w[:, :0], r + 1, g, 1e-5)  # an empty sum: the residual
+    torch.testing.assert_close(h, r + 1)
+
+
 @pytest.mark.parametrize(
     "fusion",
     ["as it is", "separate", "norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue",
-     "rotary_in_epilogue"],
+     "rotary_in_epilogue", "norm_in_epilogue", "all epilogues"],
 )  # fmt: skip
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypatch):
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
     (the norms in their own kernels or inside the GEMVs after them; SwiGLU's product in its
     own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue; rotary and the
-    cache writes in the q/k/v GEMV's epilogue; "as it is": the model's own choice, SwiGLU in
-    the epilogue) gives the logits of the layer-by-layer path
+    cache writes in the q/k/v GEMV's epilogue; the MLP's residual add and RMSNorm in wo's; "all
+    epilogues": the last three at once; "as it is": the model's own choice, SwiGLU in the
+    epilogue) gives the logits of the layer-by-layer path
     (torch's backend, same weights), token by token over a prefill and two decode steps, with
     rows at different positions too."""
     from kernels import llm
     from kernels.llm.model import Block
 
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
-    names = ("norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue", "rotary_in_epilogue")
+    names = ("norm_in_gemv", "swiglu_in_gemv", "swiglu_in_epilogue", "rotary_in_epilogue",
+             "norm_in_epilogue")  # fmt: skip
     defaults = [getattr(Block, name) for name in names]
     if fusion == "as it is":
-        assert defaults == [False, False, True, False]
+        assert defaults == [False, False, True, False, False]
         _tiny_model_both_ways(model, weights, "swiglu_in_epilogue", monkeypatch)
         return
-    with llm.fusions(**({} if fusion == "separate" else {fusion: True})):
+    switches = {"separate": {}, "all epilogues": dict.fromkeys(names[2:], True)}
+    with llm.fusions(**switches.get(fusion, {fusion: True})):
         _tiny_model_both_ways(model, weights, fusion, monkeypatch)
     assert [getattr(Block, name) for name in names] == defaults
 
@@ -191,16 +244,21 @@ def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
     from kernels import llm
     from kernels.llm import quant
 
-    if fusion in ("swiglu_in_gemv", "swiglu_in_epilogue"):  # the product's own kernel must not run
+    if fusion in ("swiglu_in_gemv", "swiglu_in_epilogue", "all epilogues"):  # no silu_mul kernel
 
         def refuse(*args):
             raise AssertionError("silu_mul ran: SwiGLU's product was not inside the GEMV")
 
         monkeypatch.setattr(decode, "silu_mul", refuse)
-    calls, rotated = [], []  # the norms inside the GEMVs, rotary in the epilogue ran (or not)
-    norm_linear, rotary_gemv = decode.norm_linear, decode.rotary_gemv
+    calls, rotated, after = [], [], []  # which fused kernels ran (or did not)
+    norm_linear, rotary_gemv, linear_norm = (
+        decode.norm_linear,
+        decode.rotary_gemv,
+        decode.linear_norm,
+    )
     monkeypatch.setattr(decode, "norm_linear", lambda *a: calls.append(1) or norm_linear(*a))
     monkeypatch.setattr(decode, "rotary_gemv", lambda *a: rotated.append(1) or rotary_gemv(*a))
+    monkeypatch.setattr(decode, "linear_norm", lambda *a: after.append(1) or linear_norm(*a))
     reference = llm.load_model("tiny", device=DEVICE, backend="torch")
     reference.load_state_dict(model.state_dict())
     if weights == "int8":
@@ -220,7 +278,9 @@ def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
     assert "_fused" in model.layers[0].__dict__  # the fused path ran
     in_gemv = 3 * (2 * model.config.n_layers - 1 + 1)  # every norm but layer 0's first
     assert len(calls) == (in_gemv if fusion == "norm_in_gemv" else 0)
-    assert len(rotated) == (2 * model.config.n_layers if fusion == "rotary_in_epilogue" else 0)
+    layers, all_in = model.config.n_layers, fusion == "all epilogues"
+    assert len(rotated) == (2 * layers if fusion == "rotary_in_epilogue" or all_in else 0)
+    assert len(after) == (3 * layers if fusion == "norm_in_epilogue" or all_in else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

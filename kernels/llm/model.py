@@ -107,8 +107,8 @@ class Block(nn.Module):
     # 1.292, 1.274 against 1.229, 1.265 against 1.215: faster once, 4% slower twice, where the
     # silu_mul path alone spread over 6% between processes (both paths share one tuned plan in
     # a process: the tuner's key has no activation). On for the chapter's model; the 1B
-    # shape's loss not explained. Where it is on, the MLP's norm runs in its own kernel,
-    # whatever norm_in_gemv says.
+    # shape's loss not explained. Where it is on, the MLP's norm is not inside the gate-and-up
+    # GEMV, whatever norm_in_gemv says (norm_in_epilogue may put it in wo's).
     swiglu_in_epilogue = True
     # Rotary, and the new keys and values written into the cache, in the q/k/v GEMV's epilogue
     # (decode.rotary_gemv: each head's rows i and i + hd/2 side by side, so a tile holds both
@@ -117,6 +117,12 @@ class Block(nn.Module):
     # GPU has timed it (`python -m kernels bench decode` has it as a baseline); where it is on,
     # the attention's norm runs in its own kernel, whatever norm_in_gemv says.
     rotary_in_epilogue = False
+    # The residual add and RMSNorm after wo in wo's GEMV's epilogue (decode.linear_norm: the
+    # last column tile of a row to be stored adds the residual and normalizes the row; nothing
+    # recomputed), for a decoding step's rows: the MLP's add_rms_norm launch removed. Off
+    # until a GPU has timed it, as rotary_in_epilogue; not with tensor parallelism (wo's
+    # partial outputs are summed across ranks before the add).
+    norm_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -148,7 +154,8 @@ class Block(nn.Module):
         # The course's backend fuses what it can (kernels.decode): one GEMV for q, k and v, one
         # kernel that rotates q and k and writes k and v into the cache, one GEMV for gate and
         # up that forms SwiGLU's product as it stores (swiglu_in_epilogue); for a decoding
-        # step's rows (norm_in_gemv) the residual add and RMSNorm inside the GEMV after them.
+        # step's rows (norm_in_gemv) the residual add and RMSNorm inside the GEMV after them,
+        # or (norm_in_epilogue) the MLP's in wo's GEMV before it.
         # Not in batch_invariant_mode: its ops are the Chapter 5 kernels, called one by one.
         fused = backend == "kernels" and not batch_invariant.enabled()
         in_gemv = norms_in_gemvs(backend, B * S, c.d_model)
@@ -190,7 +197,14 @@ class Block(nn.Module):
                     v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
                 y = self.attend(q, cache, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
-        attended = self._reduced(project(y, self.wo, backend))
+        normed = None  # (the MLP's normed input, the stream) where wo's GEMV formed them
+        if fused and self.reduce is None and norm_after_fits(self, B * S):
+            scale = getattr(self.wo, "scale", None)
+            rows = (y.reshape(B * S, -1), self.wo.weight, x.reshape(B * S, -1))
+            h, x = decode.linear_norm(*rows, self.mlp_norm.weight, c.norm_eps, scale)
+            normed = h.view(B, S, -1), x.view(B, S, -1)
+        else:
+            attended = self._reduced(project(y, self.wo, backend))
         if not fused:
             h, x = ops.add_rms_norm(attended, x, self.mlp_norm.weight, c.norm_eps, backend)
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
@@ -201,7 +215,7 @@ class Block(nn.Module):
         # it (speed.down_projection_ms times the last two, the chapter the whole step).
         names = ("w_gate", "w_up")
         if self.swiglu_in_epilogue:
-            h, x = self._norm(x, attended, self.mlp_norm, backend)
+            h, x = normed or self._norm(x, attended, self.mlp_norm, backend)
             weight, scale = fused_weight(self, names, half=c.d_ff)
             h2 = h.reshape(B * S, -1)
             if B * S <= gemv.MAX_ROWS:
@@ -211,7 +225,11 @@ class Block(nn.Module):
                 gate_up = ops.linear(h2, weight, backend, scale)
                 act = decode.silu_mul(decode.gate_then_up(gate_up))
             return x, self._reduced(project(act.view(B, S, -1), self.w_down, backend))
-        gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
+        if normed:
+            h, x = normed
+            gate_up = fused_project(h, self, names)
+        else:
+            gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
         if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
             scale = getattr(self.w_down, "scale", None)
             down = decode.swiglu_linear(gate_up.view(B * S, -1), self.w_down.weight, scale)
@@ -368,7 +386,7 @@ class Transformer(nn.Module):
 
 @contextlib.contextmanager
 def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False,
-            rotary_in_epilogue=False):  # fmt: skip
+            rotary_in_epilogue=False, norm_in_epilogue=False):  # fmt: skip
     """Block's fusions set for the block, each off unless named (fusions() is the step with
     none of them; to time a step with some: a CUDA graph keeps what its capture ran), then as
     they were."""
@@ -377,6 +395,7 @@ def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False,
         "swiglu_in_gemv": swiglu_in_gemv,
         "swiglu_in_epilogue": swiglu_in_epilogue,
         "rotary_in_epilogue": rotary_in_epilogue,
+        "norm_in_epilogue": norm_in_epilogue,
     }
     saved = {name: getattr(Block, name) for name in switches}
     for name, on in switches.items():
@@ -386,6 +405,13 @@ def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False,
     finally:
         for name, value in saved.items():
             setattr(Block, name, value)
+
+
+def norm_after_fits(block: Block, rows: int) -> bool:
+    """Whether wo's GEMV adds the residual and normalizes in its epilogue: Block's
+    norm_in_epilogue, for a decoding step's rows of a width linear_norm holds."""
+    return (block.norm_in_epilogue and rows <= gemv.MAX_ROWS
+            and block.c.d_model <= decode.NORM_MAX_K)  # fmt: skip
 
 
 def norms_in_gemvs(backend: str, rows: int, d_model: int) -> bool:
