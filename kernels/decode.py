@@ -253,6 +253,16 @@ def store_rotated(
     tl.store(v_cache_ptr + cache + HALF, y2, mask=mask & is_v)
 
 
+def gemv_kind(x, weight, scale):
+    """(kernels.split_k's kind, the scale to pass) for x @ weight.T, checked as
+    kernels.gemv.linear checks it, or with `scale` as kernels.int8.linear does (an int8 weight)."""
+    if scale is None:
+        gemv.check_linear_inputs(x, weight, None)
+        return "gemv", None
+    int8.check_int8_inputs(x, weight, scale, None)
+    return "int8", scale.contiguous()
+
+
 def rotary_gemv(
     x,
     qkv_weight,
@@ -284,12 +294,7 @@ def rotary_gemv(
     if qkv_weight.dim() != 2 or qkv_weight.shape[0] != width:
         raise ValueError(f"qkv_weight must be ((H + 2 Hkv) * hd, K) = ({width}, K), got "
                          f"{tuple(qkv_weight.shape)}")  # fmt: skip
-    kind = "gemv" if scale is None else "int8"
-    if scale is None:
-        gemv.check_linear_inputs(x, qkv_weight, None)
-    else:
-        int8.check_int8_inputs(x, qkv_weight, scale, None)
-        scale = scale.contiguous()
+    kind, scale = gemv_kind(x, qkv_weight, scale)
     q = x.new_empty((B, n_heads, 1, hd))
     if B == 0:
         return q
@@ -401,11 +406,8 @@ def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Ten
     if gate_up.dim() != 2 or gate_up.shape[0] % 2:
         raise ValueError(f"gate_up must be (2F, K), gate and up rows interleaved "
                          f"(interleave_rows), got {tuple(gate_up.shape)}")  # fmt: skip
-    if scale is None:
-        gemv.check_linear_inputs(x, gate_up, None)
-        return product(x, gate_up.t(), kind="gemv", activation="swiglu")
-    int8.check_int8_inputs(x, gate_up, scale, None)
-    return product(x, gate_up.t(), kind="int8", scale=scale.contiguous(), activation="swiglu")
+    kind, scale = gemv_kind(x, gate_up, scale)
+    return product(x, gate_up.t(), kind=kind, scale=scale, activation="swiglu")
 
 
 def swiglu_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:
@@ -425,11 +427,8 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> to
             f"{tuple(gate_up.shape)}, weight {tuple(weight.shape)} (N, F)"
         )
     up = gate_up[:, weight.shape[1] :]  # stands in for the checks: the kernel's input is (M, F)
-    if scale is None:
-        gemv.check_linear_inputs(up, weight, None)
-        return product(gate_up, weight.t(), kind="gemv", gated=True)
-    int8.check_int8_inputs(up, weight, scale, None)
-    return product(gate_up, weight.t(), kind="int8", scale=scale.contiguous(), gated=True)
+    kind, scale = gemv_kind(up, weight, scale)
+    return product(gate_up, weight.t(), kind=kind, scale=scale, gated=True)
 
 
 def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
@@ -466,12 +465,7 @@ def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_s
     if M > gemv.MAX_ROWS:
         raise ValueError(f"norm_linear is for a decoding step's rows (M <= {gemv.MAX_ROWS}), "
                          f"got M = {M}: use kernels.norm.add_rms_norm, then a matmul")  # fmt: skip
-    if scale is None:
-        gemv.check_linear_inputs(x, weight, None)
-        kind = "gemv"
-    else:
-        int8.check_int8_inputs(x, weight, scale, None)
-        kind, scale = "int8", scale.contiguous()
+    kind, scale = gemv_kind(x, weight, scale)
     g = norm_weight.contiguous()
     if M == 0 or x.shape[1] == 0:  # nothing to normalize over: the unfused path's answer
         y, h = course_norm.add_rms_norm(x, residual, g, eps)
@@ -502,12 +496,7 @@ def linear_norm(x, weight, residual, norm_weight, eps: float, scale=None, splits
     `splits`: K cut into at most that many pieces (kernels.split_k.choose_plan), for tests."""
     check_tensor("x", x, ndim=2)
     split_k.check_splits(splits)
-    if scale is None:
-        gemv.check_linear_inputs(x, weight, None)
-        kind = "gemv"
-    else:
-        int8.check_int8_inputs(x, weight, scale, None)
-        kind, scale = "int8", scale.contiguous()
+    kind, scale = gemv_kind(x, weight, scale)
     M, N = x.shape[0], weight.shape[0]
     check_tensor("residual", residual, ndim=2)
     check_same("x and residual", x, residual, shape=False)

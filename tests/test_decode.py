@@ -191,7 +191,8 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypat
     """The tiny model on the course's backend with a cache: the fused q/k/v and gate/up path
     (the norms in their own kernels or inside the GEMVs after them; SwiGLU's product in its
     own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue; rotary and the
-    cache writes in the q/k/v GEMV's epilogue; the MLP's residual add and RMSNorm in wo's; "all
+    cache writes in the q/k/v GEMV's epilogue; the residual adds and RMSNorms in wo's and
+    w_down's (the next block's, or the final one); "all
     epilogues": the last three at once; "as it is": the model's own choice, SwiGLU in the
     epilogue) gives the logits of the layer-by-layer path
     (torch's backend, same weights), token by token over a prefill and two decode steps, with
@@ -280,7 +281,7 @@ def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
     assert len(calls) == (in_gemv if fusion == "norm_in_gemv" else 0)
     layers, all_in = model.config.n_layers, fusion == "all epilogues"
     assert len(rotated) == (2 * layers if fusion == "rotary_in_epilogue" or all_in else 0)
-    assert len(after) == (3 * layers if fusion == "norm_in_epilogue" or all_in else 0)
+    assert len(after) == (6 * layers if fusion == "norm_in_epilogue" or all_in else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

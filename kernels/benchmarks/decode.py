@@ -16,8 +16,8 @@ and the cache): their % of copy is the % of the speed-of-light line. Against tor
 same graph, the course's kernels without dependent launch (kernels.runtime.PDL) and with
 SwiGLU's product in a kernel of its own rather than the gate-and-up GEMV's epilogue (none of
 llm.fusions), with rotary in the q/k/v GEMV's epilogue as well (decode.rotary_gemv), and with
-that and the MLP's residual add and RMSNorm in wo's epilogue (decode.linear_norm): two fusions
-to be timed before the model turns them on; int8 weights against bf16.
+that and the residual adds and RMSNorms in the epilogues of wo and w_down (decode.linear_norm):
+fusions to be timed before the model turns them on; int8 weights against bf16.
 Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape >= 65%, its int8 >=
 1.6x its bf16.
 """
@@ -99,7 +99,7 @@ def bench_split_k(ceilings):
 
 
 # The model's fusions with epilogues it keeps off until timed: rotary in the q/k/v GEMV's, and
-# that with the MLP's residual add and RMSNorm in wo's
+# that with the residual adds and RMSNorms in wo's and w_down's
 ROTARY_TOO = {"swiglu_in_epilogue": True, "rotary_in_epilogue": True}
 NORM_TOO = {**ROTARY_TOO, "norm_in_epilogue": True}
 
@@ -118,7 +118,7 @@ def bench_decode_steps(ceilings):
             ("kernels", False, None, "without dependent launch"),
             ("kernels", True, {}, "SwiGLU in a kernel of its own"),
             ("kernels", True, ROTARY_TOO, "rotary in the q/k/v GEMV's epilogue"),
-            ("kernels", True, NORM_TOO, "that and the MLP's norm in wo's epilogue"),
+            ("kernels", True, NORM_TOO, "that and the norms in the GEMVs' epilogues"),
             ("kernels", True, None, "kernels"),
         ):
             model.backend = backend

@@ -18,6 +18,7 @@ the next one its stream x and the delta it has not added yet.
 """
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,13 @@ def fused_project(x, block, names):
     return ops.linear(x, weight, "kernels", scale)
 
 
+class Normed(NamedTuple):
+    """A norm's output formed in the epilogue of the GEMV before it (decode.linear_norm), passed
+    where the residual's delta would be: the stream is x alone, and its norm is h."""
+
+    h: torch.Tensor
+
+
 class Block(nn.Module):
     # The course's backend: a decoding step's norms inside the GEMVs after them; SwiGLU's
     # product inside the down GEMV. Both save launches and both lost, measured on an H100
@@ -117,11 +125,12 @@ class Block(nn.Module):
     # GPU has timed it (`python -m kernels bench decode` has it as a baseline); where it is on,
     # the attention's norm runs in its own kernel, whatever norm_in_gemv says.
     rotary_in_epilogue = False
-    # The residual add and RMSNorm after wo in wo's GEMV's epilogue (decode.linear_norm: the
-    # last column tile of a row to be stored adds the residual and normalizes the row; nothing
-    # recomputed), for a decoding step's rows: the MLP's add_rms_norm launch removed. Off
-    # until a GPU has timed it, as rotary_in_epilogue; not with tensor parallelism (wo's
-    # partial outputs are summed across ranks before the add).
+    # The residual add and RMSNorm after wo and after w_down in those GEMVs' epilogues
+    # (decode.linear_norm: the last column tile of a row to be stored adds the residual and
+    # normalizes the row with the next norm's weight, the next block's or the model's final
+    # one; nothing recomputed), for a decoding step's rows: both add_rms_norm launches of a
+    # layer removed. Off until a GPU has timed it, as rotary_in_epilogue; not with tensor
+    # parallelism (the partial outputs are summed across ranks before the add).
     norm_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
@@ -140,22 +149,25 @@ class Block(nn.Module):
         # some of the MLP's width sums its partial outputs of wo and w_down with the others'
         self.reduce = None
 
-    def forward(self, x, delta, cos, sin, backend, cache=None):
+    def forward(self, x, delta, cos, sin, backend, cache=None, next_norm=None):
         """(x, delta) (B, S, D) each -> the next (x, delta): the residual stream is x + delta,
         whose add is left to the next norm so that one kernel adds and normalizes
-        (ops.add_rms_norm); delta None: x is the whole stream. `cache`: (k_cache, v_cache, rows,
-        gather, pos, kv_lens, length, start): this layer's (Bc, Hkv, T, hd) cache, the (B,)
-        cache rows used (gathered when `gather`, else rows 0..B-1 in order), the (B, S) new
-        positions, each row's keys after the write (B,), how many cache positions attention
-        reads, and `start`, an int when every row starts at the same position (known on the
-        host: the keys are written and read as slices, with no mask and nothing read back)."""
+        (ops.add_rms_norm); delta None: x is the whole stream; delta Normed(h): x is the whole
+        stream and h the next norm's output, formed in the epilogue of the GEMV before
+        (norm_in_epilogue; `next_norm` is the norm after this block). `cache`: (k_cache,
+        v_cache, rows, gather, pos, kv_lens, length, start): this layer's (Bc, Hkv, T, hd)
+        cache, the (B,) cache rows used (gathered when `gather`, else rows 0..B-1 in order), the
+        (B, S) new positions, each row's keys after the write (B,), how many cache positions
+        attention reads, and `start`, an int when every row starts at the same position (known
+        on the host: the keys are written and read as slices, with no mask and nothing read
+        back)."""
         c = self.c
         B, S, _ = x.shape
         # The course's backend fuses what it can (kernels.decode): one GEMV for q, k and v, one
         # kernel that rotates q and k and writes k and v into the cache, one GEMV for gate and
         # up that forms SwiGLU's product as it stores (swiglu_in_epilogue); for a decoding
         # step's rows (norm_in_gemv) the residual add and RMSNorm inside the GEMV after them,
-        # or (norm_in_epilogue) the MLP's in wo's GEMV before it.
+        # or (norm_in_epilogue) in the epilogue of the GEMV before them.
         # Not in batch_invariant_mode: its ops are the Chapter 5 kernels, called one by one.
         fused = backend == "kernels" and not batch_invariant.enabled()
         in_gemv = norms_in_gemvs(backend, B * S, c.d_model)
@@ -197,14 +209,7 @@ class Block(nn.Module):
                     v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
                 y = self.attend(q, cache, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
-        normed = None  # (the MLP's normed input, the stream) where wo's GEMV formed them
-        if fused and self.reduce is None and norm_after_fits(self, B * S):
-            scale = getattr(self.wo, "scale", None)
-            rows = (y.reshape(B * S, -1), self.wo.weight, x.reshape(B * S, -1))
-            h, x = decode.linear_norm(*rows, self.mlp_norm.weight, c.norm_eps, scale)
-            normed = h.view(B, S, -1), x.view(B, S, -1)
-        else:
-            attended = self._reduced(project(y, self.wo, backend))
+        x, attended = self._project_out(y, self.wo, x, self.mlp_norm if fused else None, backend)
         if not fused:
             h, x = ops.add_rms_norm(attended, x, self.mlp_norm.weight, c.norm_eps, backend)
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
@@ -215,7 +220,7 @@ class Block(nn.Module):
         # it (speed.down_projection_ms times the last two, the chapter the whole step).
         names = ("w_gate", "w_up")
         if self.swiglu_in_epilogue:
-            h, x = normed or self._norm(x, attended, self.mlp_norm, backend)
+            h, x = self._norm(x, attended, self.mlp_norm, backend)
             weight, scale = fused_weight(self, names, half=c.d_ff)
             h2 = h.reshape(B * S, -1)
             if B * S <= gemv.MAX_ROWS:
@@ -224,29 +229,43 @@ class Block(nn.Module):
                 # weights), its gate and up columns taken apart for silu_mul
                 gate_up = ops.linear(h2, weight, backend, scale)
                 act = decode.silu_mul(decode.gate_then_up(gate_up))
-            return x, self._reduced(project(act.view(B, S, -1), self.w_down, backend))
-        if normed:
-            h, x = normed
-            gate_up = fused_project(h, self, names)
-        else:
-            gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
+            return self._project_out(act.view(B, S, -1), self.w_down, x, next_norm, backend)
+        gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
         if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
             scale = getattr(self.w_down, "scale", None)
             down = decode.swiglu_linear(gate_up.view(B * S, -1), self.w_down.weight, scale)
             return x, self._reduced(down.view(B, S, -1))
-        return x, self._reduced(project(decode.silu_mul(gate_up), self.w_down, backend))
+        return self._project_out(decode.silu_mul(gate_up), self.w_down, x, next_norm, backend)
+
+    def _project_out(self, y, linear, x, norm, backend):
+        """(x, delta) after `linear`, the projection that ends a sub-block: delta its output,
+        whose add is left to `norm`; or, where norm_in_epilogue (and a norm to form), the
+        stream x + y @ W.T and Normed(its norm), both formed in the GEMV's epilogue
+        (decode.linear_norm). Not with tensor parallelism: the partial outputs are summed
+        across ranks (self.reduce) before the add."""
+        B, S, D = x.shape
+        if norm is None or self.reduce is not None or not norm_after_fits(self, B * S):
+            return x, self._reduced(project(y, linear, backend))
+        rows = (y.reshape(B * S, -1), linear.weight, x.reshape(B * S, D))
+        h, x = decode.linear_norm(
+            *rows, norm.weight, self.c.norm_eps, getattr(linear, "scale", None)
+        )
+        return x.view(B, S, D), Normed(h.view(B, S, D))
 
     def _norm(self, x, delta, norm, backend):
-        """(rms_norm(x + delta), x + delta); delta None: x is the whole stream."""
+        """(rms_norm(x + delta), x + delta); delta None: x is the whole stream; Normed: formed
+        already."""
         if delta is None:
             return norm(x, backend), x
+        if isinstance(delta, Normed):
+            return delta.h, x
         return ops.add_rms_norm(delta, x, norm.weight, self.c.norm_eps, backend)
 
     def _normed_project(self, x, delta, norm, names, in_gemv, backend):
         """(the fused projection `names` of rms_norm(x + delta), x + delta) (B, S, .): in one
         kernel (kernels.decode.norm_linear) where `in_gemv` and there is a delta to add, else
         the norm's kernel, then the GEMV."""
-        if not in_gemv or delta is None:
+        if not in_gemv or delta is None or isinstance(delta, Normed):
             h, x = self._norm(x, delta, norm, backend)
             return fused_project(h, self, names), x
         B, S, D = x.shape
@@ -363,12 +382,13 @@ class Transformer(nn.Module):
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
 
         x, delta = self.embed(tokens), None  # (B, S, D): the residual stream is x + delta
-        for i, layer in enumerate(self.layers):
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]  # each one's next
+        for i, (layer, after) in enumerate(zip(self.layers, norms, strict=True)):
             if cache is None:
-                x, delta = layer(x, delta, cos, sin, self.backend)
+                x, delta = layer(x, delta, cos, sin, self.backend, next_norm=after)
             else:
-                x, delta = layer(x, delta, cos, sin, self.backend,
-                                 (cache.k[i], cache.v[i], *layer_cache, shared_start))  # fmt: skip
+                kv = (cache.k[i], cache.v[i], *layer_cache, shared_start)
+                x, delta = layer(x, delta, cos, sin, self.backend, kv, next_norm=after)
         head, scale = self.embed.weight, None
         if not self.config.tied_embeddings:
             head = self.head.weight
@@ -376,6 +396,8 @@ class Transformer(nn.Module):
             head, scale = self.head_int8, self.head_scale
         B, S, D = x.shape
         eps = self.config.norm_eps
+        if isinstance(delta, Normed):  # the last block's down GEMV formed the final norm
+            return ops.linear(delta.h, head, self.backend, scale)
         if delta is not None and norms_in_gemvs(self.backend, B * S, D):
             rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
             logits, _ = decode.norm_linear(*rows, self.norm.weight, eps, head, scale, False)
