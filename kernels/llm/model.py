@@ -14,7 +14,8 @@ tensor), attention reads the cache with a mask: rows may sit at different positi
 dynamic-batching server needs).
 
 The residual adds are fused into the norms that follow them (ops.add_rms_norm): a block hands
-the next one its stream x and the delta it has not added yet.
+the next one its stream x and the delta it has not added yet (or, with Block.norm_in_epilogue,
+the stream and the next norm's output, both formed in its last GEMV's epilogue: Normed).
 """
 
 import contextlib
