@@ -1,6 +1,9 @@
 """kernels.decode: the rotary + KV-cache write and SwiGLU's product, against fp64 torch ops, and
 the model's fused path (one GEMV for q, k, v and one for gate, up) against its unfused one."""
 
+import collections
+import contextlib
+
 import pytest
 import torch
 from params import DTYPES
@@ -239,6 +242,50 @@ def test_a_long_prefill_takes_the_paired_stacks_too(weights):
             (("wq", "wk", "wv"), c.head_dim // 2),
             (("w_gate", "w_up"), c.d_ff),
         ]
+
+
+def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
+    """A decoding step of the tiny model on the course's backend, its launches counted by
+    kernel: with rotary in the q/k/v GEMV's epilogue and the norms in the epilogues of wo and
+    w_down, rotary_kv's launch and both norms of every layer (and the final norm) are gone,
+    the rotary GEMV stands in for the q/k/v GEMV, and only the first norm is left (the
+    embedding's, which no GEMV comes before): three launches fewer a layer."""
+    from kernels import launch as course_launch
+    from kernels import llm
+    from kernels.llm import speed
+
+    counted = []
+    call, kept = course_launch.Launcher.__call__, course_launch.Launcher.launch_kept
+
+    def counting_call(self, *args, **kwargs):
+        counted.append(self.name)
+        return call(self, *args, **kwargs)
+
+    def counting_kept(self, *args):
+        launched = kept(self, *args)
+        if launched:
+            counted.append(self.name)
+        return launched
+
+    monkeypatch.setattr(course_launch.Launcher, "__call__", counting_call)
+    monkeypatch.setattr(course_launch.Launcher, "launch_kept", counting_kept)
+    model = llm.load_model("tiny", device=DEVICE, backend="kernels")
+    layers = model.config.n_layers
+    launches = {}
+    for name, switches in (("as it is", None), ("epilogues", {"rotary_in_epilogue": True,
+                           "norm_in_epilogue": True, "swiglu_in_epilogue": True})):  # fmt: skip
+        fusions = contextlib.nullcontext() if switches is None else llm.fusions(**switches)
+        with torch.no_grad(), fusions:
+            step, _, _ = speed.decode_step(model, 1, 8)
+            step()  # the first call's plans and stacks
+            counted.clear()
+            step()
+        launches[name] = collections.Counter(counted)
+    before, after = launches["as it is"], launches["epilogues"]
+    assert before["rotary_kv_kernel"] == layers and after["rotary_kv_kernel"] == 0
+    assert after["rotary_gemv_kernel"] == layers
+    assert before["rms_norm_fwd_kernel"] == 2 * layers + 1 and after["rms_norm_fwd_kernel"] == 1
+    assert after.total() == before.total() - 3 * layers
 
 
 def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
