@@ -320,8 +320,8 @@ def rotary_gemv(
 def rotary_gemv_ref(
     x, qkv_weight, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int, scale=None
 ) -> torch.Tensor:
-    """The GEMV's reference (fp64, rounded to x's dtype), its columns unpaired, then
-    rotary_kv's reference."""
+    """The GEMV's reference (rounded to x's dtype), its columns unpaired, then rotary_kv's
+    (fp64)."""
     y = gemv.linear_ref(x, qkv_weight) if scale is None else int8.linear_ref(x, qkv_weight, scale)
     qkv = unpair_halves(y, k_cache.shape[-1] // 2).view(x.shape[0], 1, -1)
     return rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)

@@ -249,7 +249,8 @@ def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
     kernel: with rotary in the q/k/v GEMV's epilogue and the norms in the epilogues of wo and
     w_down, rotary_kv's launch and both norms of every layer (and the final norm) are gone,
     the rotary GEMV stands in for the q/k/v GEMV, and only the first norm is left (the
-    embedding's, which no GEMV comes before): three launches fewer a layer."""
+    embedding's, which no GEMV comes before): three launches fewer a layer. The logits: the
+    same bits on the interpreter (each fused kernel computes and rounds as the two it replaces)."""
     from kernels import launch as course_launch
     from kernels import llm
     from kernels.llm import speed
@@ -271,7 +272,7 @@ def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
     monkeypatch.setattr(course_launch.Launcher, "launch_kept", counting_kept)
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
     layers = model.config.n_layers
-    launches = {}
+    launches, logits = {}, {}
     for name, switches in (("as it is", None), ("epilogues", {"rotary_in_epilogue": True,
                            "norm_in_epilogue": True, "swiglu_in_epilogue": True})):  # fmt: skip
         fusions = contextlib.nullcontext() if switches is None else llm.fusions(**switches)
@@ -279,13 +280,17 @@ def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
             step, _, _ = speed.decode_step(model, 1, 8)
             step()  # the first call's plans and stacks
             counted.clear()
-            step()
+            logits[name] = step()
         launches[name] = collections.Counter(counted)
     before, after = launches["as it is"], launches["epilogues"]
     assert before["rotary_kv_kernel"] == layers and after["rotary_kv_kernel"] == 0
     assert after["rotary_gemv_kernel"] == layers
     assert before["rms_norm_fwd_kernel"] == 2 * layers + 1 and after["rms_norm_fwd_kernel"] == 1
     assert after.total() == before.total() - 3 * layers
+    if DEVICE.type == "cpu":
+        assert torch.equal(logits["epilogues"], logits["as it is"])
+    else:  # compiled kernels may contract the rotation's multiply-adds differently
+        torch.testing.assert_close(logits["epilogues"], logits["as it is"], atol=1e-4, rtol=1e-4)
 
 
 def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
