@@ -301,6 +301,9 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
+        # the norm after each block (the next block's first, then the final one), for a block
+        # whose last GEMV forms it (Block.norm_in_epilogue): listed once, not on every pass
+        self._next_norms = (*[layer.attn_norm for layer in self.layers][1:], self.norm)
         if not config.tied_embeddings:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
@@ -383,8 +386,7 @@ class Transformer(nn.Module):
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
 
         x, delta = self.embed(tokens), None  # (B, S, D): the residual stream is x + delta
-        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]  # each one's next
-        for i, (layer, after) in enumerate(zip(self.layers, norms, strict=True)):
+        for i, (layer, after) in enumerate(zip(self.layers, self._next_norms, strict=True)):
             if cache is None:
                 x, delta = layer(x, delta, cos, sin, self.backend, next_norm=after)
             else:
