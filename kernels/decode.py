@@ -514,8 +514,7 @@ def linear_norm(x, weight, residual, norm_weight, eps: float, scale=None, splits
     if M > 0 and N > 0 and x.shape[1] > 0:
         b = weight.t()
         plan = split_k.choose_plan(x, b, kind, scale, splits=splits)  # the plain GEMV's plan
-        row_tiles = cdiv(M, plan.tile.BLOCK_M)
-        if arrivals.counters(x.device, row_tiles * (1 + cdiv(N, plan.tile.BLOCK_N))) is not None:
+        if split_k.norm_counters(x.device, M, N, plan.tile) is not None:
             h = torch.empty_like(residual)
             y = split_k._run(x, b, plan, scale, None, "add_rms_norm", norm=(residual, g, eps, h))
             return y, h

@@ -364,6 +364,13 @@ def last_piece_sums(plan) -> bool:
     return 1 < plan.splits and plan.splits * tile.BLOCK_M * tile.BLOCK_N <= LAST_SUM_MAX_ELEMENTS
 
 
+def norm_counters(device, M: int, N: int, tile):
+    """The arrival counters the "add_rms_norm" ending needs for an (M, N) output in `tile`s:
+    each tile's, then each row tile's (kernels.arrivals; None where none are to be had)."""
+    row_tiles = cdiv(M, tile.BLOCK_M)
+    return arrivals.counters(device, row_tiles * (1 + cdiv(N, tile.BLOCK_N)))
+
+
 def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=None):
     """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0; gated: a is (M, 2K),
     gate then up, and the product is silu(gate) * up @ b; norm: (res, g, eps, stream), the
@@ -389,8 +396,8 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
     tiles = cdiv(M, tile.BLOCK_M) * cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
     count = None
-    if after:  # each tile's counter, then each row tile's
-        count = arrivals.counters(a.device, tiles + cdiv(M, tile.BLOCK_M))
+    if after:
+        count = norm_counters(a.device, M, N, tile)
     elif last_piece_sums(plan):
         count = arrivals.counters(a.device, tiles)
     pdl = runtime.PDL
