@@ -2,7 +2,6 @@
 the model's fused path (one GEMV for q, k, v and one for gate, up) against its unfused one."""
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -179,7 +178,9 @@ def test_linear_norm_rejects_bad_inputs_clearly():
     with pytest.raises(ValueError, match="norm_weight must have x's last dim"):
         decode.linear_norm(x, w, r, g[:5], 1e-5)
     with pytest.raises(ValueError, match="M <= 64"):
-        decode.linear_norm(torch.zeros((65, 5), device=DEVICE), w, torch.zeros((65, 6)), g, 1e-5)
+        decode.linear_norm(
+            torch.zeros((65, 5), device=DEVICE), w, torch.zeros((65, 6), device=DEVICE), g, 1e-5
+        )
     y, h = decode.linear_norm(x[:, :0], w[:, :0], r + 1, g, 1e-5)  # an empty sum: the residual
     torch.testing.assert_close(h, r + 1)
 
@@ -208,12 +209,12 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypat
              "norm_in_epilogue")  # fmt: skip
     defaults = [getattr(Block, name) for name in names]
     if fusion == "as it is":
-        assert defaults == [False, False, True, False, False]
-        _tiny_model_both_ways(model, weights, "swiglu_in_epilogue", monkeypatch)
+        assert defaults == [False, False, True, True, False]
+        _tiny_model_both_ways(model, weights, monkeypatch)
         return
     switches = {"separate": {}, "all epilogues": dict.fromkeys(names[2:], True)}
     with llm.fusions(**switches.get(fusion, {fusion: True})):
-        _tiny_model_both_ways(model, weights, fusion, monkeypatch)
+        _tiny_model_both_ways(model, weights, monkeypatch)
     assert [getattr(Block, name) for name in names] == defaults
 
 
@@ -246,11 +247,12 @@ def test_a_long_prefill_takes_the_paired_stacks_too(weights):
 
 def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
     """A decoding step of the tiny model on the course's backend, its launches counted by
-    kernel: with rotary in the q/k/v GEMV's epilogue and the norms in the epilogues of wo and
-    w_down, rotary_kv's launch and both norms of every layer (and the final norm) are gone,
-    the rotary GEMV stands in for the q/k/v GEMV, and only the first norm is left (the
-    embedding's, which no GEMV comes before): three launches fewer a layer. The logits: the
-    same bits on the interpreter (each fused kernel computes and rounds as the two it replaces)."""
+    kernel, SwiGLU in the gate-and-up GEMV's epilogue in both: with rotary in the q/k/v GEMV's
+    epilogue and the norms in the epilogues of wo and w_down, rotary_kv's launch and both
+    norms of every layer (and the final norm) are gone, the rotary GEMV stands in for the
+    q/k/v GEMV, and only the first norm is left (the embedding's, which no GEMV comes before):
+    three launches fewer a layer. The logits: the same bits on the interpreter (each fused
+    kernel computes and rounds as the two it replaces)."""
     from kernels import launch as course_launch
     from kernels import llm
     from kernels.llm import speed
@@ -273,31 +275,35 @@ def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
     model = llm.load_model("tiny", device=DEVICE, backend="kernels")
     layers = model.config.n_layers
     launches, logits = {}, {}
-    for name, switches in (("as it is", None), ("epilogues", {"rotary_in_epilogue": True,
-                           "norm_in_epilogue": True, "swiglu_in_epilogue": True})):  # fmt: skip
-        fusions = contextlib.nullcontext() if switches is None else llm.fusions(**switches)
-        with torch.no_grad(), fusions:
+    for name, switches in (("SwiGLU's alone", {"swiglu_in_epilogue": True}), ("epilogues", {
+                           "rotary_in_epilogue": True, "norm_in_epilogue": True,
+                           "swiglu_in_epilogue": True})):  # fmt: skip
+        with torch.no_grad(), llm.fusions(**switches):
             step, _, _ = speed.decode_step(model, 1, 8)
             step()  # the first call's plans and stacks
             counted.clear()
             logits[name] = step()
         launches[name] = collections.Counter(counted)
-    before, after = launches["as it is"], launches["epilogues"]
+    before, after = launches["SwiGLU's alone"], launches["epilogues"]
     assert before["rotary_kv_kernel"] == layers and after["rotary_kv_kernel"] == 0
     assert after["rotary_gemv_kernel"] == layers
     assert before["rms_norm_fwd_kernel"] == 2 * layers + 1 and after["rms_norm_fwd_kernel"] == 1
     assert after.total() == before.total() - 3 * layers
     if DEVICE.type == "cpu":
-        assert torch.equal(logits["epilogues"], logits["as it is"])
+        assert torch.equal(logits["epilogues"], logits["SwiGLU's alone"])
     else:  # compiled kernels may contract the rotation's multiply-adds differently
-        torch.testing.assert_close(logits["epilogues"], logits["as it is"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            logits["epilogues"], logits["SwiGLU's alone"], atol=1e-4, rtol=1e-4
+        )
 
 
-def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
+def _tiny_model_both_ways(model, weights, monkeypatch):
+    """The checks of the fused model path with Block's fusions as they are set now."""
     from kernels import llm
     from kernels.llm import quant
+    from kernels.llm.model import Block
 
-    if fusion in ("swiglu_in_gemv", "swiglu_in_epilogue", "all epilogues"):  # no silu_mul kernel
+    if Block.swiglu_in_gemv or Block.swiglu_in_epilogue:  # no silu_mul kernel
 
         def refuse(*args):
             raise AssertionError("silu_mul ran: SwiGLU's product was not inside the GEMV")
@@ -330,10 +336,11 @@ def _tiny_model_both_ways(model, weights, fusion, monkeypatch):
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-5)
     assert "_fused" in model.layers[0].__dict__  # the fused path ran
     in_gemv = 3 * (2 * model.config.n_layers - 1 + 1)  # every norm but layer 0's first
-    assert len(calls) == (in_gemv if fusion == "norm_in_gemv" else 0)
-    layers, all_in = model.config.n_layers, fusion == "all epilogues"
-    assert len(rotated) == (2 * layers if fusion == "rotary_in_epilogue" or all_in else 0)
-    assert len(after) == (6 * layers if fusion == "norm_in_epilogue" or all_in else 0)
+    alone = not (Block.swiglu_in_epilogue or Block.rotary_in_epilogue)  # norm_in_gemv's cases
+    assert len(calls) == (in_gemv if Block.norm_in_gemv and alone else 0)
+    layers = model.config.n_layers
+    assert len(rotated) == (2 * layers if Block.rotary_in_epilogue else 0)
+    assert len(after) == (6 * layers if Block.norm_in_epilogue else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -122,16 +122,20 @@ class Block(nn.Module):
     # Rotary, and the new keys and values written into the cache, in the q/k/v GEMV's epilogue
     # (decode.rotary_gemv: each head's rows i and i + hd/2 side by side, so a tile holds both
     # members of every rotary pair; nothing recomputed), for a decoding step's rows of one
-    # token each: the rotary_kv launch removed, one kernel fewer a layer again. Off until a
-    # GPU has timed it (`python -m kernels bench decode` has it as a baseline); where it is on,
-    # the attention's norm runs in its own kernel, whatever norm_in_gemv says.
-    rotary_in_epilogue = False
+    # token each: the rotary_kv launch removed, one kernel fewer a layer again. On: the same
+    # logits, bit for bit, and on an H100 (torch 2.11, triton 3.6, 2026-12-07; a step at T=512
+    # in a CUDA graph, three interleaved rounds) SmolLM2's shapes took 0.691-0.695 ms against
+    # 0.713-0.721 with rotary_kv; the llama-1b shape 1.258-1.259 against 1.256-1.272, the same.
+    # Where it is on, the attention's norm runs in its own kernel, whatever norm_in_gemv says.
+    rotary_in_epilogue = True
     # The residual add and RMSNorm after wo and after w_down in those GEMVs' epilogues
     # (decode.linear_norm: the last column tile of a row to be stored adds the residual and
     # normalizes the row with the next norm's weight, the next block's or the model's final
     # one; nothing recomputed), for a decoding step's rows: both add_rms_norm launches of a
-    # layer removed. Off until a GPU has timed it, as rotary_in_epilogue; not with tensor
-    # parallelism (the partial outputs are summed across ranks before the add).
+    # layer removed. Off: slower in the same H100 run, though two kernels fewer a layer
+    # (SmolLM2's shapes 0.717-0.718 ms against 0.691-0.695 with rotary in its epilogue; the
+    # llama-1b shape 1.322-1.323 against 1.258-1.259). Not with tensor parallelism (the
+    # partial outputs are summed across ranks before the add).
     norm_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
