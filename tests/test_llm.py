@@ -261,6 +261,33 @@ def test_tiny_rows_at_different_positions_equal_their_own_full_pass(tiny):
     torch.testing.assert_close(step[1], full_b[0, 5:7], rtol=1e-5, atol=1e-5)
 
 
+def test_rotary_tables_are_gathered_with_the_bits_they_are_computed_with():
+    """A pass gathers rotary's cos and sin from a table of every position (one kernel a
+    decoding step where computing them takes seven): the bits rotary_cos_sin computes at
+    those positions, for rows at different positions, past the config's max_seq_len (the
+    table grows), in bf16 after the model's dtype changes (a new table), and a decoding
+    step computes no cosine."""
+    from kernels.llm import model as llm_model
+    from kernels.llm.speed import decode_step, kernels_per_step
+
+    model = llm.load_model("tiny", backend="torch", device="cpu")  # the op names are CPU's
+    limit = model.config.max_seq_len
+    for pos, positions in (([[3, 4, 5], [250, 7, 0]], limit), ([[limit + 40]], limit + 41)):
+        pos = torch.tensor(pos)
+        cos, sin = model._cos_sin(pos, positions)
+        want = llm_model.rotary_cos_sin(pos, model.inv_freq, torch.float32)
+        assert cos.is_contiguous() and torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    assert model._rotary_table[2].shape == (2, limit + 41, model.config.head_dim)
+    model.to(torch.bfloat16)
+    cos, sin = model._cos_sin(torch.tensor([[9]]), limit)
+    want = llm_model.rotary_cos_sin(torch.tensor([[9]]), model.inv_freq, torch.bfloat16)
+    assert cos.dtype == torch.bfloat16 and torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    with torch.no_grad():
+        step, _, _ = decode_step(model, 1, 8)
+        ops = kernels_per_step(step, "cpu")["names"]
+    assert "aten::cos" not in ops and "aten::sin" not in ops and "aten::index" in ops
+
+
 def test_overflowing_the_cache_is_a_clear_error(tiny):
     cache = tiny.new_cache(batch=1, length=8)
     tokens = torch.zeros(1, 6, dtype=torch.int64)

@@ -56,6 +56,14 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, backend)
 
 
+def rotary_cos_sin(pos, inv_freq, dtype):
+    """cos and sin (B, 1, S, hd) in `dtype` of the angles pos * f_i for positions pos (B, S):
+    each frequency twice (pair i is dimensions i and i + hd/2), the angles in fp32."""
+    freqs = pos[..., None].float() * inv_freq  # (B, S, hd/2)
+    freqs = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, S, hd)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
 def rotary(x, cos, sin):
     """x (B, nh, S, hd) rotated by position: dimension i pairs with i + hd/2 (rotate_half)."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, nh, S, hd/2) each
@@ -311,6 +319,7 @@ class Transformer(nn.Module):
         if not config.tied_embeddings:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+        self._rotary_table = None  # (inv_freq, dtype, (2, T, hd) cos and sin): _cos_sin
 
     def new_cache(self, batch: int = 1, length: int | None = None) -> KVCache:
         """An empty static cache for `batch` sequences of up to `length` positions."""
@@ -356,7 +365,8 @@ class Transformer(nn.Module):
         ):
             shared_start = input_pos or 0
         layer_cache = None if cache is None else (rows, slots is not None, pos, kv_lens, length)
-        return self._layers(tokens, pos, cache, layer_cache, shared_start)
+        positions = S if cache is None else cache.length
+        return self._layers(tokens, pos, positions, cache, layer_cache, shared_start)
 
     def decode_rows(self, tokens, cache: KVCache, positions, slots):
         """One new token for each of B cache rows, with nothing read back to the host on
@@ -379,15 +389,33 @@ class Transformer(nn.Module):
             )
         pos = positions[:, None]  # (B, 1)
         layer_cache = (slots, True, pos, positions + 1, cache.length)
-        return self._layers(tokens, pos, cache, layer_cache, None)
+        return self._layers(tokens, pos, cache.length, cache, layer_cache, None)
 
-    def _layers(self, tokens, pos, cache, layer_cache, shared_start):
-        """The embedding, the blocks and the head, for new positions `pos` (B, S);
-        layer_cache: (rows, gather, pos, kv_lens, length) as Block.forward takes them, or None."""
-        freqs = pos[..., None].float() * self.inv_freq  # (B, S, hd/2)
-        freqs = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, S, hd)
+    def _cos_sin(self, pos, positions: int):
+        """Rotary's cos and sin (B, 1, S, hd) for positions pos (B, S), each below `positions`:
+        gathered from a table of every position (built on the first pass that needs it, or a
+        longer one, by rotary_cos_sin: the same bits), one kernel where computing them from
+        the positions takes seven, each a launch of a decoding step. Under torch.compile,
+        computed: the compiler fuses those seven itself."""
         dtype = self.embed.weight.dtype
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        if torch.compiler.is_compiling():
+            return rotary_cos_sin(pos, self.inv_freq, dtype)
+        kept = self._rotary_table
+        if kept is None or kept[0] is not self.inv_freq or kept[1] != dtype:
+            kept = None
+        if kept is None or kept[2].shape[1] < positions:
+            every = torch.arange(max(positions, self.config.max_seq_len), device=pos.device)
+            cos, sin = rotary_cos_sin(every[None], self.inv_freq, dtype)  # (1, 1, T, hd)
+            kept = self.inv_freq, dtype, torch.stack([cos[0, 0], sin[0, 0]])
+            self._rotary_table = kept
+        both = kept[2][:, pos]  # (2, B, S, hd)
+        return both[0][:, None], both[1][:, None]
+
+    def _layers(self, tokens, pos, positions, cache, layer_cache, shared_start):
+        """The embedding, the blocks and the head, for new positions `pos` (B, S), each below
+        `positions`; layer_cache: (rows, gather, pos, kv_lens, length) as Block.forward takes
+        them, or None."""
+        cos, sin = self._cos_sin(pos, positions)
 
         x, delta = self.embed(tokens), None  # (B, S, D): the residual stream is x + delta
         for i, (layer, after) in enumerate(zip(self.layers, self._next_norms, strict=True)):
