@@ -347,14 +347,13 @@ class Transformer(nn.Module):
             pos = torch.arange(S, device=device).expand(B, S)  # (B, S)
         else:
             rows = _cache_rows(slots, B, cache.batch, device)  # (B,)
-            start, first, last = _start_positions(input_pos, B, S, device)  # (B,), ints
+            # (B, S) new positions, (B,) each row's keys once they are written, ints
+            pos, kv_lens, first, last = _new_positions(input_pos, B, S, device)
             if first < 0 or last > cache.length:
                 raise ValueError(
                     f"the request would overflow the KV cache: positions up to {last - 1} "
                     f"for a cache of {cache.length} (make a longer one with new_cache)"
                 )
-            pos = start[:, None] + torch.arange(S, device=device)  # (B, S)
-            kv_lens = start + S  # (B,) each row's keys once the new ones are written
             length = cache.length if slots is None else last
 
         shared_start = None
@@ -491,13 +490,16 @@ def _cache_rows(slots, B, cache_batch, device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
-def _start_positions(input_pos, B, S, device):
-    """Each row's first new position as a (B,) tensor, with the lowest start and the highest
-    end: on the host for an int or a list, read back from a tensor (one sync a step)."""
+def _new_positions(input_pos, B, S, device):
+    """(pos, kv_lens, first, last): the (B, S) positions of each row's S new tokens, each row's
+    keys once they are written (B,), the lowest start and the highest end. The starts are on
+    the host for an int or a list, read back from a tensor (one sync a step). An int (a
+    decoding step's usual case) takes two kernels, not four: one range for every row."""
     if input_pos is None:
         input_pos = 0
     if isinstance(input_pos, int):
-        return torch.full((B,), input_pos, device=device), input_pos, input_pos + S
+        pos = torch.arange(input_pos, input_pos + S, device=device).expand(B, S).contiguous()
+        return pos, torch.full((B,), input_pos + S, device=device), input_pos, input_pos + S
     if isinstance(input_pos, torch.Tensor):
         start = input_pos.to(device=device, dtype=torch.int64)
         starts = start.tolist() if start.dim() == 1 else None
@@ -507,6 +509,5 @@ def _start_positions(input_pos, B, S, device):
     if starts is None or len(starts) != B:
         raise ValueError(f"input_pos must give one position for each of the {B} rows, "
                          f"got shape {tuple(start.shape)}")  # fmt: skip
-    if not starts:
-        return start, 0, 0
-    return start, min(starts), max(starts) + S
+    pos = start[:, None] + torch.arange(S, device=device)
+    return pos, start + S, min(starts, default=0), max(starts, default=-S) + S
