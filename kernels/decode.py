@@ -12,6 +12,7 @@ rotary_gemv(x, qkv_weight, ...): the same rotation and cache writes as the q/k/v
   side by side (pair_halves), so each GEMV tile holds both members of its rotary pairs; one
   launch where the GEMV and rotary_kv take two, nothing recomputed. kernels.split_k's
   `accumulate` is the GEMV; the tile's last piece of K (an arrival counter) rotates and stores.
+  Its input may be normalized on the way in (`norm`, below).
 silu_mul(gate_up): SwiGLU's silu(gate) * up from one fused gate/up projection (M, 2F) -> (M, F),
   one kernel where torch launches two.
 swiglu_linear(gate_up, w_down): the same product computed while the down projection's GEMV
@@ -20,10 +21,12 @@ swiglu_linear(gate_up, w_down): the same product computed while the down project
 norm_linear(x, residual, g, eps, weight): the residual add and RMSNorm before a projection,
   formed while the GEMV loads its input (kernels.split_k's NORM tiles): (y, x + residual), one
   launch where kernels.norm.add_rms_norm and the GEMV take two (M <= 64).
-linear_norm(x, weight, residual, g, eps): the other side of the same boundary: the GEMV that
-  ends a sub-block (wo) with the residual add and RMSNorm after it in its epilogue, done once a
-  row by the row's last column tile to be stored (an arrival counter): (y, x @ W.T + residual),
-  one launch where the GEMV and kernels.norm.add_rms_norm take two, nothing recomputed.
+linear_add(x, weight, residual) and the `norm` of the GEMVs after it: the same boundary split
+  between two GEMVs, with nothing recomputed and no program waiting for another. The GEMV that
+  ends a sub-block (wo, w_down) adds the residual in its epilogue and stores, from each column
+  tile, the sum of the squares of its part of each row: (h, squares). The GEMV that starts the
+  next (squares_linear; swiglu_gemv and rotary_gemv with `norm`) adds each row's few pieces up
+  for its 1 / rms and normalizes its input as it loads it: the norm's launch is gone.
 
 attention(q, k, v, kv_lens): one query a row (decode) over a KV cache, with grouped-query
   heads: the GROUP query heads that share a key/value head are one tile of rows, so each key
@@ -183,17 +186,19 @@ def rotary_gemv_kernel(
     a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, count_ptr, M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn,
     cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, pos_ptr,
-    stride_cb, stride_ch, stride_ct, H, HKV,
+    stride_cb, stride_ch, stride_ct, H, HKV, sq_ptr, g_ptr, eps, n_squares,
+    NORM: tl.constexpr, ROW: tl.constexpr,  # NORM 3: a normalized by its squares (split_k's)
     HALF: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
-    # kernels.split_k's GEMV (no norm, no gated input), then rotary_kv's work as its ending
+    # kernels.split_k's GEMV (its input normalized or not, never gated), then rotary_kv's
+    # work as its ending
     acc, rows, cols, split, tile, pieces = split_k.accumulate(
         a_ptr, b_ptr, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
-        a_ptr, a_ptr, a_ptr, 0.0, 0, 1, EVEN_K, INPUT_PRECISION, USE_DOT, False,
-        BLOCK_M, BLOCK_N, BLOCK_K, PDL, PREFETCH_ROWS, LINE,
+        sq_ptr, g_ptr, a_ptr, eps, n_squares, NORM, ROW, EVEN_K, INPUT_PRECISION, USE_DOT,
+        False, BLOCK_M, BLOCK_N, BLOCK_K, PDL, PREFETCH_ROWS, LINE,
     )  # fmt: skip
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if DIRECT:
@@ -276,6 +281,7 @@ def rotary_gemv(
     n_kv_heads: int,
     scale=None,
     splits=None,
+    norm=None,
 ) -> torch.Tensor:
     """rotary_kv of x (B, K) @ w.T, w the fused q/k/v weight (H + 2 Hkv) * hd x K, in one
     kernel: the GEMV (kernels.gemv.linear; with `scale`, an int8 weight as kernels.int8.linear)
@@ -283,10 +289,12 @@ def rotary_gemv(
     rotary_kv take two. `qkv_weight` is pair_halves(w, hd / 2) (and `scale` paired the same
     way), so that every tile holds both members of each rotary pair. One token a row (a
     decoding step): cos, sin (B, 1, 1, hd), rows (B,), pos (B, 1); returns q (B, H, 1, hd), the
-    values rotary_kv gives after the GEMV (q/k/v rounded to x's dtype first). `splits`: K cut
+    values rotary_kv gives after the GEMV (q/k/v rounded to x's dtype first). `norm`:
+    (squares, norm_weight, eps), x is normalized on the way in (check_norm). `splits`: K cut
     into at most that many pieces (kernels.split_k.choose_plan), for tests."""
     check_tensor("x", x, ndim=2)
     split_k.check_splits(splits)
+    squares = check_norm(norm, x)
     B, hd = x.shape[0], k_cache.shape[-1]
     width = (n_heads + 2 * n_kv_heads) * hd
     check_rotary_targets((B, 1, width), x, cos, sin, k_cache, v_cache, rows, pos, n_heads,
@@ -303,14 +311,16 @@ def rotary_gemv(
     tiles = cdiv(B, plan.tile.BLOCK_M) * cdiv(width, plan.tile.BLOCK_N)
     count = arrivals.counters(x.device, tiles) if plan.splits > 1 else q
     if count is None:  # no counters to be had (kernels.arrivals): the GEMV, then rotary_kv
-        qkv = split_k._run(x, b, plan, scale)
+        qkv = split_k._run(x, b, plan, scale, squares=squares)
         qkv = unpair_halves(qkv, hd // 2).view(B, 1, width)
         return rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
     parts = q if plan.splits == 1 else x.new_empty((plan.splits, B, width), dtype=torch.float32)
+    norm_args, norm_flags = norm_arguments(squares, q)
     launch(rotary_gemv_kernel, (tiles * plan.splits,),
            x, b, q, parts, q if scale is None else scale, count, B, width, x.shape[1],
            plan.k_per_split, *x.stride(), *b.stride(), cos, sin, k_cache, v_cache, rows, pos,
-           *k_cache.stride()[:3], n_heads, n_kv_heads, HALF=hd // 2, DIRECT=plan.splits == 1,
+           *k_cache.stride()[:3], n_heads, n_kv_heads, *norm_args, **norm_flags,
+           HALF=hd // 2, DIRECT=plan.splits == 1,
            EVEN_K=x.shape[1] % plan.tile.BLOCK_K == 0, HAS_SCALE=scale is not None,
            INPUT_PRECISION=input_precision(x.dtype), USE_DOT=not runtime.INTERPRET,
            **plan.tile.meta(), **split_k.pdl_keywords(b, plan, runtime.PDL))  # fmt: skip
@@ -318,10 +328,12 @@ def rotary_gemv(
 
 
 def rotary_gemv_ref(
-    x, qkv_weight, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int, scale=None
-) -> torch.Tensor:
-    """The GEMV's reference (rounded to x's dtype), its columns unpaired, then rotary_kv's
-    (fp64)."""
+    x, qkv_weight, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int,
+    scale=None, norm=None,
+) -> torch.Tensor:  # fmt: skip
+    """x normalized (norm: its reference, rounded to x's dtype; the squares unread), the GEMV's
+    reference (rounded to x's dtype), its columns unpaired, then rotary_kv's (fp64)."""
+    x = normed_ref(x, norm)
     y = gemv.linear_ref(x, qkv_weight) if scale is None else int8.linear_ref(x, qkv_weight, scale)
     qkv = unpair_halves(y, k_cache.shape[-1] // 2).view(x.shape[0], 1, -1)
     return rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
@@ -396,22 +408,26 @@ def gate_then_up(y: torch.Tensor) -> torch.Tensor:
     return unpair_halves(y, y.shape[1] // 2)
 
 
-def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:
+def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None, norm=None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for x (M, K) and gate_up = interleave_rows(gate, up)
     (2F, K): the gate-and-up GEMV (kernels.gemv.linear; with `scale` (2F,), interleaved the
     same way, an int8 weight as kernels.int8.linear) with SwiGLU's product in its epilogue: a
     GEMV tile holds each gate column beside its up column, so the product costs each program
     a few operations on what it already holds, and no kernel of its own. Output (M, F) in x's
-    dtype: the values of silu_mul after the GEMV (gate and up rounded to x's dtype first)."""
+    dtype: the values of silu_mul after the GEMV (gate and up rounded to x's dtype first).
+    `norm`: (squares, norm_weight, eps), x is normalized on the way in (check_norm)."""
     if gate_up.dim() != 2 or gate_up.shape[0] % 2:
         raise ValueError(f"gate_up must be (2F, K), gate and up rows interleaved "
                          f"(interleave_rows), got {tuple(gate_up.shape)}")  # fmt: skip
     kind, scale = gemv_kind(x, gate_up, scale)
-    return product(x, gate_up.t(), kind=kind, scale=scale, activation="swiglu")
+    squares = check_norm(norm, x)
+    return product(x, gate_up.t(), kind=kind, scale=scale, activation="swiglu", squares=squares)
 
 
-def swiglu_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, scale=None) -> torch.Tensor:
-    """The GEMV's reference (fp64), rounded to x's dtype, then silu_mul's reference."""
+def swiglu_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, scale=None, norm=None):
+    """x normalized (norm: its reference, rounded to x's dtype), the GEMV's reference (fp64),
+    rounded to x's dtype, then silu_mul's reference."""
+    x = normed_ref(x, norm)
     y = gemv.linear_ref(x, gate_up) if scale is None else int8.linear_ref(x, gate_up, scale)
     return silu_mul_ref(gate_then_up(y))
 
@@ -484,49 +500,110 @@ def norm_linear_ref(x, residual, norm_weight, eps: float, weight, scale=None):
     return gemv.linear_ref(y, weight), h
 
 
-def linear_norm(x, weight, residual, norm_weight, eps: float, scale=None, splits=None):
-    """(y, h) with h = residual + x @ weight.T (the product rounded to x's dtype first) and
-    y = rms_norm(h) * norm_weight: a projection that ends a sub-block (wo, w_down) with the
-    residual add and RMSNorm that start the next in its epilogue (kernels.split_k's
-    "add_rms_norm" ending: the last column tile of a row tile to be stored adds the residual to
-    its rows and normalizes them), one launch where the GEMV and kernels.norm.add_rms_norm take
-    two, nothing recomputed. x (M, K) with M <= kernels.gemv.MAX_ROWS; weight (N, K) in x's
-    dtype, or int8 with its `scale` (N,); residual (M, N) and norm_weight (N,) in x's dtype,
-    N <= NORM_MAX_K (a row is normalized whole). The values of the GEMV then add_rms_norm.
-    `splits`: K cut into at most that many pieces (kernels.split_k.choose_plan), for tests."""
+def linear_add(x, weight, residual, scale=None, splits=None):
+    """(h, squares): h = residual + x @ weight.T (the product rounded to x's dtype first, the
+    sum as kernels.norm's add_rms_norm rounds it), a projection that ends a sub-block (wo,
+    w_down) with the residual add in its GEMV's epilogue (kernels.split_k's "add_squares"
+    ending); squares (M, column tiles) fp32: each column tile's sum of the squares of its part
+    of each row of h, the pieces from which the GEMV after it (`norm`: check_norm) forms the
+    rows' 1 / rms. Together the two replace kernels.norm.add_rms_norm's launch, nothing
+    recomputed. x (M, K), M <= kernels.gemv.MAX_ROWS; weight (N, K) in x's dtype, or int8
+    with its `scale` (N,); residual (M, N) in x's dtype. `splits`: K cut into at most that
+    many pieces (kernels.split_k.choose_plan), for tests."""
     check_tensor("x", x, ndim=2)
     split_k.check_splits(splits)
     kind, scale = gemv_kind(x, weight, scale)
-    M, N = x.shape[0], weight.shape[0]
+    M, K, N = x.shape[0], x.shape[1], weight.shape[0]
     check_tensor("residual", residual, ndim=2)
     check_same("x and residual", x, residual, shape=False)
     if residual.shape != (M, N):
         raise ValueError(f"residual must be (M, N) = ({M}, {N}), the product's shape, got "
                          f"{tuple(residual.shape)}")  # fmt: skip
-    check_row_vector("norm_weight", norm_weight, residual)
-    if N > NORM_MAX_K:
-        raise ValueError(f"linear_norm normalizes a whole row in registers: at most {NORM_MAX_K} "
-                         f"outputs, got {N}")  # fmt: skip
     if M > gemv.MAX_ROWS:
-        raise ValueError(f"linear_norm is for a decoding step's rows (M <= {gemv.MAX_ROWS}), "
+        raise ValueError(f"linear_add is for a decoding step's rows (M <= {gemv.MAX_ROWS}), "
                          f"got M = {M}: use a matmul, then kernels.norm.add_rms_norm")  # fmt: skip
-    residual, g = residual.contiguous(), norm_weight.contiguous()
-    if M > 0 and N > 0 and x.shape[1] > 0:
-        b = weight.t()
-        plan = split_k.choose_plan(x, b, kind, scale, splits=splits)  # the plain GEMV's plan
-        if split_k.norm_counters(x.device, M, N, plan.tile) is not None:
-            h = torch.empty_like(residual)
-            y = split_k._run(x, b, plan, scale, None, "add_rms_norm", norm=(residual, g, eps, h))
-            return y, h
-    # nothing to sum, or no counters to be had (kernels.arrivals): the GEMV, then the norm
-    product = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
-    return course_norm.add_rms_norm(product, residual, g, eps)
+    residual = residual.contiguous()
+    if M == 0 or N == 0 or K == 0:  # nothing to sum: the residual, its squares in one piece
+        h = residual.clone()
+        return h, h.float().pow(2).sum(-1, keepdim=True)
+    b = weight.t()
+    plan = split_k.choose_plan(x, b, kind, scale, splits=splits)  # the plain GEMV's plan
+    tiles = cdiv(M, plan.tile.BLOCK_M) * cdiv(N, plan.tile.BLOCK_N)
+    if plan.splits > 1 and (
+        not split_k.last_piece_sums(plan) or arrivals.counters(x.device, tiles) is None
+    ):  # the pieces could not be summed in the kernel: one piece, nothing to sum
+        plan = split_k._with_splits(plan, K, 1)
+    squares = x.new_empty((M, cdiv(N, plan.tile.BLOCK_N)), dtype=torch.float32)
+    h = split_k._run(x, b, plan, scale, None, "add_squares", norm=(residual, squares))
+    return h, squares
 
 
-def linear_norm_ref(x, weight, residual, norm_weight, eps: float, scale=None):
-    """The GEMV's reference (rounded to x's dtype), then add_rms_norm's."""
+def linear_add_ref(x, weight, residual, scale=None):
+    """The GEMV's reference (rounded to x's dtype), then torch's add (rounded to x's dtype)."""
     y = gemv.linear_ref(x, weight) if scale is None else int8.linear_ref(x, weight, scale)
-    return course_norm.add_rms_norm_ref(y, residual, norm_weight, eps)
+    return y + residual
+
+
+def check_norm(norm, x):
+    """A GEMV's `norm` (None, or (squares, norm_weight, eps): its input x (M, K) is the stream
+    and the product is rms_norm(x) * norm_weight @ W.T, each row's sum of squares in pieces,
+    squares (M, pieces) fp32 from linear_add) -> the squares tuple kernels.split_k takes."""
+    if norm is None:
+        return None
+    if not isinstance(norm, tuple) or len(norm) != 3:
+        raise TypeError("norm must be (squares, norm_weight, eps) (linear_add's squares)")
+    squares, g, eps = norm
+    check_tensor("squares", squares, ndim=2)
+    if (squares.dtype != torch.float32 or squares.shape[0] != x.shape[0] or squares.shape[1] < 1
+            or not squares.is_contiguous() or squares.device != x.device):  # fmt: skip
+        raise ValueError(f"squares must be a contiguous fp32 (M, pieces) tensor on x's device "
+                         f"with x's {x.shape[0]} rows, got {tuple(squares.shape)} "
+                         f"{squares.dtype}")  # fmt: skip
+    check_row_vector("norm_weight", g, x)
+    return squares, g.contiguous(), float(eps)
+
+
+def norm_arguments(squares, stand_in) -> tuple:
+    """A kernel's (sq_ptr, g_ptr, eps, n_squares) and its NORM and ROW keywords, for
+    check_norm's squares (or none: stand-ins, never read)."""
+    if squares is None:
+        return (stand_in, stand_in, 0.0, 1), {"NORM": 0, "ROW": 1}
+    sq, g, eps = squares
+    return (sq, g, eps, sq.shape[1]), {"NORM": 3, "ROW": next_power_of_2(sq.shape[1])}
+
+
+def normed_ref(x, norm):
+    """x, or (norm) kernels.norm's rms_norm reference of x, rounded to x's dtype."""
+    if norm is None:
+        return x
+    _, g, eps = norm
+    return course_norm.rms_norm_ref(x, g, eps)
+
+
+def squares_linear(h, squares, norm_weight, eps: float, weight, scale=None):
+    """rms_norm(h) * norm_weight @ weight.T for the stream h (M, K) that linear_add formed,
+    with its rows' sums of squares in pieces (`squares`): the GEMV (kernels.gemv.linear; with
+    `scale`, an int8 weight as kernels.int8.linear) normalizes each tile of h as it loads it,
+    each program adding a row's few pieces for its 1 / rms: no norm kernel. M <=
+    kernels.gemv.MAX_ROWS. The values of kernels.norm.rms_norm then the GEMV (the squares
+    summed in other pieces: within rounding)."""
+    check_tensor("h", h, ndim=2)
+    kind, scale = gemv_kind(h, weight, scale)
+    norm = check_norm((squares, norm_weight, eps), h)
+    if h.shape[0] > gemv.MAX_ROWS:
+        raise ValueError(f"squares_linear is for a decoding step's rows (M <= "
+                         f"{gemv.MAX_ROWS}), got M = {h.shape[0]}: use kernels.norm.rms_norm, "
+                         "then a matmul")  # fmt: skip
+    if h.shape[1] == 0:  # nothing to normalize over: the unfused path's answer
+        y = course_norm.rms_norm(h, norm[1], eps)
+        return gemv.linear(y, weight) if scale is None else int8.linear(y, weight, scale)
+    return product(h, weight.t(), kind=kind, scale=scale, squares=norm)
+
+
+def squares_linear_ref(h, norm_weight, eps: float, weight, scale=None):
+    """kernels.norm's rms_norm reference (rounded to h's dtype), then the GEMV's (fp64)."""
+    y = course_norm.rms_norm_ref(h, norm_weight, eps)
+    return gemv.linear_ref(y, weight) if scale is None else int8.linear_ref(y, weight, scale)
 
 
 def decode_split(Sk: int, kv_heads: int, sms: int | None = None) -> int:

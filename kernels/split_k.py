@@ -14,11 +14,13 @@ same run to run, and the same either way. With one piece the first kernel applie
 and stores the output itself (no partials).
 
 What a decoding step fuses into the loads of a (kernels.decode): SwiGLU's product (GATED: a
-holds gate then up) and the residual add and RMSNorm before a projection (NORM: each program
-first sums its rows' squares of a + res over all of K, then normalizes each tile it loads).
-And into the ending of a tile (`finish`, store_output): SwiGLU's product (activation "swiglu",
-gate and up columns side by side), or the residual add and RMSNorm after the product
-("add_rms_norm": the last column tile of a row tile to be stored normalizes its rows).
+holds gate then up) and the residual add and RMSNorm before a projection (NORM 1 and 2: each
+program first sums its rows' squares of a + res over all of K, then normalizes each tile it
+loads; NORM 3: a is the stream already added, and its rows' sums of squares come in pieces,
+one from each column tile of the GEMV before). And into the ending of a tile (`finish`,
+store_output): SwiGLU's product (activation "swiglu", gate and up columns side by side), or
+the residual add after the product ("add_squares": each tile stores its part of the stream
+and the sum of its squares, the pieces NORM 3 adds up).
 kernels.decode's rotary_gemv_kernel starts from the same tile loop (`accumulate`) and ends its
 own way.
 Under dependent launch (kernels.runtime.PDL) a program asks for its first weight lines in L2
@@ -124,10 +126,30 @@ def rms_of_sum(x_ptr, r_ptr, s_ptr, first_row, M, K, stride_m, stride_k, eps, wr
 
 
 @triton.jit
+def rms_of_squares(sq_ptr, first_row, M, K, n_squares, eps, BLOCK_M: tl.constexpr,
+                   ROW: tl.constexpr):  # fmt: skip
+    """1 / rms over all K of rows first_row .. first_row + BLOCK_M - 1 from their sums of
+    squares in n_squares pieces (sq (M, n_squares) fp32, ROW >= n_squares): one small load
+    where rms_of_sum reads whole rows."""
+    rows = first_row + tl.arange(0, BLOCK_M)
+    pieces = tl.arange(0, ROW)
+    offsets = rows.to(tl.int64)[:, None] * n_squares + pieces[None, :]
+    ok = (rows < M)[:, None] & (pieces < n_squares)[None, :]
+    squares = tl.load(sq_ptr + offsets, mask=ok, other=0.0)
+    return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
+@triton.jit
+def scaled_row(h, g, rstd):
+    """h * rstd * g for a tile of rows h (their 1 / rms rstd), as kernels.norm computes and
+    rounds it."""
+    return (h.to(tl.float32) * rstd[:, None] * g.to(tl.float32)[None, :]).to(h.dtype)
+
+
+@triton.jit
 def normed(x, r, g, rstd):
     """rms_norm(x + r) * g for a tile, as kernels.norm's add_rms_norm computes and rounds it."""
-    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return (h.to(tl.float32) * rstd[:, None] * g.to(tl.float32)[None, :]).to(x.dtype)
+    return scaled_row((x.to(tl.float32) + r.to(tl.float32)).to(x.dtype), g, rstd)
 
 
 # M is not specialized: Triton would compile other code for M == 1 or M % 16 == 0, and one
@@ -136,9 +158,10 @@ def normed(x, r, g, rstd):
 def split_k_kernel(
     a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, bias_ptr, count_ptr, M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    res_ptr, g_ptr, stream_ptr, eps,
-    NORM: tl.constexpr, ROW: tl.constexpr,  # NORM 0, 1 (normalize), 2 (and store); ROW >= K
-    # (or >= N: the "add_rms_norm" ending, see finish)
+    res_ptr, g_ptr, stream_ptr, eps, n_squares,
+    # NORM 0, 1 (normalize a + res), 2 (and store it), ROW >= K; 3 (normalize a by its sums of
+    # squares in n_squares pieces at res), ROW >= n_squares
+    NORM: tl.constexpr, ROW: tl.constexpr,
     DIRECT: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
@@ -147,73 +170,58 @@ def split_k_kernel(
 ):  # fmt: skip
     acc, rows, cols, split, tile, pieces = accumulate(
         a_ptr, b_ptr, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
-        res_ptr, g_ptr, stream_ptr, eps, NORM, ROW, EVEN_K, INPUT_PRECISION, USE_DOT, GATED,
-        BLOCK_M, BLOCK_N, BLOCK_K, PDL, PREFETCH_ROWS, LINE,
+        res_ptr, g_ptr, stream_ptr, eps, n_squares, NORM, ROW, EVEN_K, INPUT_PRECISION, USE_DOT,
+        GATED, BLOCK_M, BLOCK_N, BLOCK_K, PDL, PREFETCH_ROWS, LINE,
     )  # fmt: skip
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if DIRECT:  # one piece: this program's tile is the output
         finish(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, M, N, stride_cm, stride_cn, mask,
-               res_ptr, g_ptr, stream_ptr, count_ptr, tile, eps, HAS_SCALE, HAS_BIAS,
-               ACTIVATION, ROW, BLOCK_M, BLOCK_N)  # fmt: skip
+               res_ptr, stream_ptr, tile, HAS_SCALE, HAS_BIAS, ACTIVATION, BLOCK_M,
+               BLOCK_N)  # fmt: skip
     else:  # partials (splits, M, N), contiguous fp32
         part_ptrs = store_partials(acc, part_ptr, rows, cols, mask, M, N, split)
         if LAST_SUMS:  # the tile's last piece to finish sums them all (kernels.arrivals)
             if last_to_arrive(count_ptr, tile, pieces):
                 acc = sum_partials(part_ptrs, M * N, pieces, mask)
                 finish(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, M, N, stride_cm,
-                       stride_cn, mask, res_ptr, g_ptr, stream_ptr, count_ptr, tile, eps,
-                       HAS_SCALE, HAS_BIAS, ACTIVATION, ROW, BLOCK_M, BLOCK_N)  # fmt: skip
+                       stride_cn, mask, res_ptr, stream_ptr, tile, HAS_SCALE, HAS_BIAS,
+                       ACTIVATION, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
 def finish(
     acc, out_ptr, scale_ptr, bias_ptr, rows, cols, M, N, stride_cm, stride_cn, mask,
-    res_ptr, g_ptr, stream_ptr, count_ptr, tile, eps,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    res_ptr, squares_ptr, tile, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """A finished tile's ending: store_output's; or ("add_rms_norm", kernels.decode.linear_norm)
-    the product stored into stream (M, N), and the last of a row tile's column tiles to get
-    here adds the residual to each of its rows and normalizes it into out (add_norm_rows).
-    The row counters follow the tile counters (kernels.arrivals)."""
-    if ACTIVATION == "add_rms_norm":
-        store_output(acc, stream_ptr, scale_ptr, bias_ptr, rows, cols, N, N, 1, mask,
-                     HAS_SCALE, HAS_BIAS, "none")  # fmt: skip
+    """A finished tile's ending: store_output's; or ("add_squares", kernels.decode.linear_add)
+    the residual res (M, N) added to the product (rounded to the output's dtype first, as the
+    GEMV would store it) and the sum stored, rounded as kernels.norm's add_rms_norm rounds it;
+    and the sum of its squares over the tile's columns, row by row, stored at column `which
+    column tile` of squares (M, column tiles) in fp32: one piece of each row's sum of squares,
+    which the next GEMV adds up to normalize the row (NORM 3), so no program waits for another."""
+    if ACTIVATION == "add_squares":
+        acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, "none")
+        dtype = out_ptr.dtype.element_ty
+        rows_in = rows.to(tl.int64)
+        r = tl.load(res_ptr + rows_in[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+        c_ptrs = out_ptr + rows_in[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, h, mask=mask)
+        h = tl.where(mask, h.to(tl.float32), 0.0)
         tiles_m = tl.cdiv(M, BLOCK_M)
-        row_tile = tile % tiles_m
-        if last_to_arrive(count_ptr + tiles_m * tl.cdiv(N, BLOCK_N), row_tile, tl.cdiv(N, BLOCK_N)):
-            add_norm_rows(stream_ptr, res_ptr, g_ptr, out_ptr, row_tile * BLOCK_M, M, N, eps,
-                          BLOCK_M, ROW)  # fmt: skip
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tl.store(squares_ptr + rows_in * tiles_n + tile // tiles_m, tl.sum(h * h, axis=1),
+                 mask=rows < M)  # fmt: skip
     else:
         store_output(acc, out_ptr, scale_ptr, bias_ptr, rows, cols, N, stride_cm, stride_cn,
                      mask, HAS_SCALE, HAS_BIAS, ACTIVATION)  # fmt: skip
 
 
 @triton.jit
-def add_norm_rows(s_ptr, res_ptr, g_ptr, out_ptr, first_row, M, N, eps,
-                  BLOCK_M: tl.constexpr, ROW: tl.constexpr):  # fmt: skip
-    """Rows first_row .. first_row + BLOCK_M - 1 (those below M) of s (M, N), which every
-    column tile of the row tile has just stored: s + res stored over s, and rms_norm(s + res)
-    * g into out, computed and rounded as kernels.norm's add_rms_norm does. A whole row at a
-    time (ROW >= N); s is read through L2 only (.cg): other programs wrote it."""
-    ks = tl.arange(0, ROW)
-    k_ok = ks < N
-    g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-    for i in range(0, tl.minimum(BLOCK_M, M - first_row)):
-        offsets = (first_row + i).to(tl.int64) * N + ks
-        y = tl.load(s_ptr + offsets, mask=k_ok, other=0.0, cache_modifier=".cg")
-        r = tl.load(res_ptr + offsets, mask=k_ok, other=0.0)
-        h = (y.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
-        tl.store(s_ptr + offsets, h, mask=k_ok)
-        h = h.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-        tl.store(out_ptr + offsets, (h * rstd * g).to(out_ptr.dtype.element_ty), mask=k_ok)
-
-
-@triton.jit
 def accumulate(
     a_ptr, b_ptr, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
-    res_ptr, g_ptr, stream_ptr, eps, NORM: tl.constexpr, ROW: tl.constexpr,
+    res_ptr, g_ptr, stream_ptr, eps, n_squares, NORM: tl.constexpr, ROW: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_ROWS: tl.constexpr, LINE: tl.constexpr,
@@ -249,7 +257,11 @@ def accumulate(
             lines = tl.minimum(k_start + tl.arange(0, PREFETCH_ROWS) * LINE, K - 1)
             prefetch_l2(b_ptr + lines[:, None] * stride_bk + cols_in[None, :] * stride_bn)
         wait_for_previous(PDL)
-    if NORM:  # a is rms_norm(a + res) * g (kernels.decode.norm_linear): every program needs
+    if NORM == 3:  # a is rms_norm(a) * g, its rows' sums of squares in pieces at res
+        # (kernels.decode.squares_linear): a few numbers a row to load and add up
+        g_ptrs = g_ptr + k_start + ks
+        rstd = rms_of_squares(res_ptr, pid_m * BLOCK_M, M, K, n_squares, eps, BLOCK_M, ROW)
+    elif NORM:  # a is rms_norm(a + res) * g (kernels.decode.norm_linear): every program needs
         # its rows' rstd over all of K first; the first column tile's first piece stores a + res
         r_ptrs = res_ptr + rows_in[:, None] * stride_am + (k_start + ks)[None, :] * stride_ak
         g_ptrs = g_ptr + k_start + ks
@@ -262,18 +274,23 @@ def accumulate(
         if EVEN_K:  # K a multiple of BLOCK_K, so is every piece: no masks along K
             a = load_a(a_ptrs, row_ok, K, stride_ak, GATED)
             b = tl.load(b_ptrs)
-            if NORM:
+            if NORM == 3:
+                a = scaled_row(a, tl.load(g_ptrs), rstd)
+            elif NORM:
                 a = normed(a, tl.load(r_ptrs, mask=row_ok, other=0.0), tl.load(g_ptrs), rstd)
         else:
             k_ok = ks < k_end - k0
             a = load_a(a_ptrs, row_ok & k_ok[None, :], K, stride_ak, GATED)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            if NORM:
+            if NORM == 3:
+                a = scaled_row(a, tl.load(g_ptrs, mask=k_ok, other=0.0), rstd)
+            elif NORM:
                 r = tl.load(r_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
                 a = normed(a, r, tl.load(g_ptrs, mask=k_ok, other=0.0), rstd)
         if NORM:
-            r_ptrs += BLOCK_K * stride_ak
             g_ptrs += BLOCK_K
+        if NORM == 1 or NORM == 2:
+            r_ptrs += BLOCK_K * stride_ak
         b = b.to(a.dtype)  # int8 weights: exact in fp16/bf16/fp32 (|q| <= 127)
         if USE_DOT:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
@@ -364,23 +381,19 @@ def last_piece_sums(plan) -> bool:
     return 1 < plan.splits and plan.splits * tile.BLOCK_M * tile.BLOCK_N <= LAST_SUM_MAX_ELEMENTS
 
 
-def norm_counters(device, M: int, N: int, tile):
-    """The arrival counters the "add_rms_norm" ending needs for an (M, N) output in `tile`s:
-    each tile's, then each row tile's (kernels.arrivals; None where none are to be had)."""
-    row_tiles = cdiv(M, tile.BLOCK_M)
-    return arrivals.counters(device, row_tiles * (1 + cdiv(N, tile.BLOCK_N)))
-
-
-def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=None):
+def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=None, squares=None):
     """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0; gated: a is (M, 2K),
     gate then up, and the product is silu(gate) * up @ b; norm: (res, g, eps, stream), the
-    product is rms_norm(a + res) * g @ b, with a + res stored into stream (or not: None).
-    activation "add_rms_norm" (kernels.decode.linear_norm): norm's tuple is the output's
-    instead, res (M, N) contiguous and stream (M, N) a new buffer: stream = res + a @ b and
-    the output rms_norm(stream) * g, with arrival counters to be had (the caller checks)."""
+    product is rms_norm(a + res) * g @ b, with a + res stored into stream (or not: None);
+    squares: (sq, g, eps), the product is rms_norm(a) * g @ b, sq (M, pieces) fp32 contiguous
+    holding a's rows' sums of squares in pieces. activation "add_squares"
+    (kernels.decode.linear_add): norm is (res, sq) instead, res (M, N) contiguous and sq
+    (M, column tiles of the plan) fp32: the output is res + a @ b and sq its rows' sums of
+    squares by column tile; the plan's pieces must be summed in the kernel (one piece, or
+    last_piece_sums with counters to be had: the caller checks)."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     tile = plan.tile
-    after = activation == "add_rms_norm"
+    after = activation == "add_squares"
     out = a.new_empty((M, N // 2 if activation == "swiglu" else N))
     parts = out  # stands in when there is one piece
     if plan.splits > 1:
@@ -390,23 +403,29 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
     )
     scale = out if scale is None else scale
     bias = out if bias is None else bias
-    res, g, eps, stream = norm or (a, a, 0.0, None)  # a stands in, never read
-    norm_flag = 0 if norm is None or after else 1 if stream is None else 2
-    stream = out if stream is None else stream  # stands in, never written
+    res, g, eps, stream = a, a, 0.0, out  # stand-ins, never read or written
+    norm_flag, row, n_squares = 0, 1, 1
+    if after:
+        res, stream = norm
+    elif norm is not None:
+        res, g, eps, stream = norm
+        norm_flag, row = (1 if stream is None else 2), next_power_of_2(K)
+        stream = out if stream is None else stream
+    elif squares is not None:
+        res, g, eps = squares
+        norm_flag, n_squares = 3, res.shape[1]
+        row = next_power_of_2(n_squares)
     tiles = cdiv(M, tile.BLOCK_M) * cdiv(N, tile.BLOCK_N)
     meta = tile.meta()
-    count = None
-    if after:
-        count = norm_counters(a.device, M, N, tile)
-    elif last_piece_sums(plan):
-        count = arrivals.counters(a.device, tiles)
+    count = arrivals.counters(a.device, tiles) if last_piece_sums(plan) else None
+    if after and plan.splits > 1 and count is None:
+        raise RuntimeError("the add_squares ending needs its pieces summed in the kernel")
     pdl = runtime.PDL
     launch(split_k_kernel, (tiles * plan.splits,),
         a, b, out, parts, scale, bias, out if count is None else count, M, N, K,
         plan.k_per_split, *a.stride(), *b.stride(), *out.stride(), res, g, stream, float(eps),
-        NORM=norm_flag, ROW=next_power_of_2(N if after else K) if norm else 1,
-        DIRECT=plan.splits == 1, LAST_SUMS=plan.splits > 1 and count is not None,
-        EVEN_K=K % tile.BLOCK_K == 0,
+        n_squares, NORM=norm_flag, ROW=row, DIRECT=plan.splits == 1,
+        LAST_SUMS=plan.splits > 1 and count is not None, EVEN_K=K % tile.BLOCK_K == 0,
         INPUT_PRECISION=input_precision(a.dtype), USE_DOT=not INTERPRET, GATED=gated,
         **flags, **meta, **pdl_keywords(b, plan, pdl),
     )  # fmt: skip
@@ -450,13 +469,15 @@ def _with_splits(plan, K: int, splits: int):
 
 
 def product(
-    a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False, norm=None
-):
+    a, b, *, kind, scale=None, bias=None, activation=None, splits=None, gated=False, norm=None,
+    squares=None,
+):  # fmt: skip
     """act(a @ b * scale + bias) (activation "swiglu": see store_output) for validated operands
     through the plan that kernels.split_k_tuning picks for (kind, N, K, the dtypes, the
     device): the launcher behind matmul_split_k, kernels.gemv.linear, kernels.int8.linear,
-    (gated: a is (M, 2K), the product is silu(gate) * up @ b) kernels.decode.swiglu_linear and
-    (norm: see _run; a and res contiguous, stream like a) kernels.decode.norm_linear."""
+    (gated: a is (M, 2K), the product is silu(gate) * up @ b) kernels.decode.swiglu_linear,
+    (norm: see _run; a and res contiguous, stream like a) kernels.decode.norm_linear and
+    (squares: see _run; a contiguous) kernels.decode.squares_linear."""
     M, K, N = a.shape[0], b.shape[0], b.shape[1]
     glu = activation == "swiglu"  # b's columns alternate gate and up: N / 2 outputs
     if M == 0 or N == 0 or (K == 0 and glu):  # silu(0) * 0 = 0
@@ -464,7 +485,7 @@ def product(
     if K == 0:  # an empty sum: zeros, then the epilogue
         return matmul_ref(a[:, :0], b.to(a.dtype), bias, activation)
     plan = choose_plan(a, b, kind, scale, bias, activation, gated, splits)
-    return _run(a, b, plan, scale, bias, activation, gated, norm)
+    return _run(a, b, plan, scale, bias, activation, gated, norm, squares)
 
 
 def choose_plan(a, b, kind, scale=None, bias=None, activation=None, gated=False, splits=None):

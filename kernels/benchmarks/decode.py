@@ -16,8 +16,9 @@ and the cache): their % of copy is the % of the speed-of-light line. Against tor
 same graph, the course's kernels without dependent launch (kernels.runtime.PDL), with
 SwiGLU's product in a kernel of its own rather than the gate-and-up GEMV's epilogue, with
 rotary and the cache writes in a kernel of their own rather than the q/k/v GEMV's epilogue
-(decode.rotary_gemv), and with the residual adds and RMSNorms in the epilogues of wo and
-w_down too (decode.linear_norm, which the model keeps off); int8 weights against bf16.
+(decode.rotary_gemv), and with the residual adds in the epilogues of wo and w_down and the
+norms in the loads of the GEMVs after them too (decode.linear_add, which the model keeps off);
+int8 weights against bf16.
 Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape >= 65%, its int8 >=
 1.6x its bf16.
 """
@@ -99,7 +100,7 @@ def bench_split_k(ceilings):
 
 
 # Baselines of the model's epilogues (SwiGLU's and rotary's): each in a kernel of its own, and
-# the norms in wo's and w_down's epilogues too, which the model keeps off
+# the norms split between the GEMVs around them too, which the model keeps off
 ROTARY_ONLY = {"rotary_in_epilogue": True}
 SWIGLU_ONLY = {"swiglu_in_epilogue": True}
 NORM_TOO = {**ROTARY_ONLY, **SWIGLU_ONLY, "norm_in_epilogue": True}
@@ -119,7 +120,7 @@ def bench_decode_steps(ceilings):
             ("kernels", False, None, "without dependent launch"),
             ("kernels", True, ROTARY_ONLY, "SwiGLU in a kernel of its own"),
             ("kernels", True, SWIGLU_ONLY, "rotary in a kernel of its own"),
-            ("kernels", True, NORM_TOO, "the norms in the GEMVs' epilogues too"),
+            ("kernels", True, NORM_TOO, "the norms by sums of squares too"),
             ("kernels", True, None, "kernels"),
         ):
             model.backend = backend

@@ -15,7 +15,8 @@ dynamic-batching server needs).
 
 The residual adds are fused into the norms that follow them (ops.add_rms_norm): a block hands
 the next one its stream x and the delta it has not added yet (or, with Block.norm_in_epilogue,
-the stream and the next norm's output, both formed in its last GEMV's epilogue: Normed).
+the stream formed in its last GEMV's epilogue and its rows' sums of squares in pieces:
+Squares, which the next GEMV normalizes it by as it loads it).
 """
 
 import contextlib
@@ -98,11 +99,13 @@ def fused_project(x, block, names):
     return ops.linear(x, weight, "kernels", scale)
 
 
-class Normed(NamedTuple):
-    """A norm's output formed in the epilogue of the GEMV before it (decode.linear_norm), passed
-    where the residual's delta would be: the stream is x alone, and its norm is h."""
+class Squares(NamedTuple):
+    """Passed where the residual's delta would be: the residual add was formed in the epilogue
+    of the GEMV before (decode.linear_add), so x is the whole stream, and `squares` holds its
+    rows' sums of squares in pieces (B * S, pieces), from which the GEMV after the norm
+    normalizes x as it loads it (decode.check_norm's `norm`)."""
 
-    h: torch.Tensor
+    squares: torch.Tensor
 
 
 class Block(nn.Module):
@@ -136,14 +139,17 @@ class Block(nn.Module):
     # 0.713-0.721 with rotary_kv; the llama-1b shape 1.258-1.259 against 1.256-1.272, the same.
     # Where it is on, the attention's norm runs in its own kernel, whatever norm_in_gemv says.
     rotary_in_epilogue = True
-    # The residual add and RMSNorm after wo and after w_down in those GEMVs' epilogues
-    # (decode.linear_norm: the last column tile of a row to be stored adds the residual and
-    # normalizes the row with the next norm's weight, the next block's or the model's final
-    # one; nothing recomputed), for a decoding step's rows: both add_rms_norm launches of a
-    # layer removed. Off: slower in the same H100 run, though two kernels fewer a layer
-    # (SmolLM2's shapes 0.717-0.718 ms against 0.691-0.695 with rotary in its epilogue; the
-    # llama-1b shape 1.322-1.323 against 1.258-1.259). Not with tensor parallelism (the
-    # partial outputs are summed across ranks before the add).
+    # The residual add and RMSNorm after wo and after w_down split between two GEMVs, for a
+    # decoding step's rows: the one before adds the residual in its epilogue and stores each
+    # column tile's sum of squares of its part of the row (decode.linear_add); the one after
+    # (the MLP's gate and up, the next block's q/k/v, or the head) adds a row's few pieces for
+    # its 1 / rms and normalizes its input as it loads it (`norm`). Both add_rms_norm launches
+    # of a layer removed, nothing recomputed, no program waiting for another. A first version,
+    # the whole norm done by the last column tile of a row to finish (an arrival counter), was
+    # slower than the norm's own kernel on an H100 (torch 2.11, triton 3.6, 2026-12-07; a step
+    # in a CUDA graph): SmolLM2's shapes 0.717-0.718 ms against 0.691-0.695, the llama-1b
+    # shape 1.322-1.323 against 1.258-1.259. Off until this one has been timed. Not with
+    # tensor parallelism (the partial outputs are summed across ranks before the add).
     norm_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
@@ -162,12 +168,12 @@ class Block(nn.Module):
         # some of the MLP's width sums its partial outputs of wo and w_down with the others'
         self.reduce = None
 
-    def forward(self, x, delta, cos, sin, backend, cache=None, next_norm=None):
+    def forward(self, x, delta, cos, sin, backend, cache=None):
         """(x, delta) (B, S, D) each -> the next (x, delta): the residual stream is x + delta,
         whose add is left to the next norm so that one kernel adds and normalizes
-        (ops.add_rms_norm); delta None: x is the whole stream; delta Normed(h): x is the whole
-        stream and h the next norm's output, formed in the epilogue of the GEMV before
-        (norm_in_epilogue; `next_norm` is the norm after this block). `cache`: (k_cache,
+        (ops.add_rms_norm); delta None: x is the whole stream; delta Squares: x is the whole
+        stream, formed in the epilogue of the GEMV before, with its rows' sums of squares
+        (norm_in_epilogue). `cache`: (k_cache,
         v_cache, rows, gather, pos, kv_lens, length, start): this layer's (Bc, Hkv, T, hd)
         cache, the (B,) cache rows used (gathered when `gather`, else rows 0..B-1 in order), the
         (B, S) new positions, each row's keys after the write (B,), how many cache positions
@@ -192,13 +198,14 @@ class Block(nn.Module):
                 q = decode.rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos,
                                      c.n_heads, c.n_kv_heads)  # (B, H, S, hd) # fmt: skip
             else:  # one stack of q/k/v, its rotary pairs side by side
-                h, x = self._norm(x, delta, self.attn_norm, backend)
+                h, x, norm_in = self._norm_input(x, delta, self.attn_norm, backend)
                 weight, scale = fused_weight(self, names, half)
                 if S == 1 and B <= gemv.MAX_ROWS:  # a decoding step: rotary in the epilogue
                     q = decode.rotary_gemv(h.reshape(B, -1), weight, cos, sin, k_cache, v_cache,
-                                           rows, pos, c.n_heads, c.n_kv_heads, scale)  # fmt: skip
+                                           rows, pos, c.n_heads, c.n_kv_heads, scale,
+                                           norm=norm_in)  # fmt: skip
                 else:  # a prefill's rows: the same stack, its columns unpaired for rotary_kv
-                    qkv = ops.linear(h.reshape(B * S, -1), weight, backend, scale)
+                    qkv = normed_linear(h.reshape(B * S, -1), weight, scale, norm_in, backend)
                     qkv = decode.unpair_halves(qkv, half).view(B, S, -1)
                     q = decode.rotary_kv(qkv, cos, sin, k_cache, v_cache, rows, pos,
                                          c.n_heads, c.n_kv_heads)  # fmt: skip
@@ -222,7 +229,7 @@ class Block(nn.Module):
                     v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
                 y = self.attend(q, cache, backend)
         y = y.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim)  # (B, S, H * hd)
-        x, attended = self._project_out(y, self.wo, x, self.mlp_norm if fused else None, backend)
+        x, attended = self._project_out(y, self.wo, x, fused, backend)
         if not fused:
             h, x = ops.add_rms_norm(attended, x, self.mlp_norm.weight, c.norm_eps, backend)
             act = F.silu(project(h, self.w_gate, backend)) * project(h, self.w_up, backend)
@@ -233,55 +240,65 @@ class Block(nn.Module):
         # it (speed.down_projection_ms times the last two, the chapter the whole step).
         names = ("w_gate", "w_up")
         if self.swiglu_in_epilogue:
-            h, x = self._norm(x, attended, self.mlp_norm, backend)
+            h, x, norm_in = self._norm_input(x, attended, self.mlp_norm, backend)
             weight, scale = fused_weight(self, names, half=c.d_ff)
             h2 = h.reshape(B * S, -1)
             if B * S <= gemv.MAX_ROWS:
-                act = decode.swiglu_gemv(h2, weight, scale)
+                act = decode.swiglu_gemv(h2, weight, scale, norm=norm_in)
             else:  # a prefill's rows: the same interleaved stack (no second copy of the
                 # weights), its gate and up columns taken apart for silu_mul
-                gate_up = ops.linear(h2, weight, backend, scale)
+                gate_up = normed_linear(h2, weight, scale, norm_in, backend)
                 act = decode.silu_mul(decode.gate_then_up(gate_up))
-            return self._project_out(act.view(B, S, -1), self.w_down, x, next_norm, backend)
+            return self._project_out(act.view(B, S, -1), self.w_down, x, True, backend)
         gate_up, x = self._normed_project(x, attended, self.mlp_norm, names, in_gemv, backend)
         if self.swiglu_in_gemv and B * S <= gemv.MAX_ROWS:
             scale = getattr(self.w_down, "scale", None)
             down = decode.swiglu_linear(gate_up.view(B * S, -1), self.w_down.weight, scale)
             return x, self._reduced(down.view(B, S, -1))
-        return self._project_out(decode.silu_mul(gate_up), self.w_down, x, next_norm, backend)
+        return self._project_out(decode.silu_mul(gate_up), self.w_down, x, True, backend)
 
-    def _project_out(self, y, linear, x, norm, backend):
+    def _project_out(self, y, linear, x, fused, backend):
         """(x, delta) after `linear`, the projection that ends a sub-block: delta its output,
-        whose add is left to `norm`; or, where norm_in_epilogue (and a norm to form), the
-        stream x + y @ W.T and Normed(its norm), both formed in the GEMV's epilogue
-        (decode.linear_norm). Not with tensor parallelism: the partial outputs are summed
+        whose add is left to the norm after it; or, where `fused` and norm_in_epilogue, the
+        stream x + y @ W.T formed in the GEMV's epilogue and Squares, its rows' sums of squares
+        (decode.linear_add). Not with tensor parallelism: the partial outputs are summed
         across ranks (self.reduce) before the add."""
         B, S, D = x.shape
-        if norm is None or self.reduce is not None or not norm_after_fits(self, B * S):
+        if not fused or self.reduce is not None or not norm_after_fits(self, B * S):
             return x, self._reduced(project(y, linear, backend))
         rows = (y.reshape(B * S, -1), linear.weight, x.reshape(B * S, D))
-        h, x = decode.linear_norm(
-            *rows, norm.weight, self.c.norm_eps, getattr(linear, "scale", None)
-        )
-        return x.view(B, S, D), Normed(h.view(B, S, D))
+        x, squares = decode.linear_add(*rows, getattr(linear, "scale", None))
+        return x.view(B, S, D), Squares(squares)
 
     def _norm(self, x, delta, norm, backend):
-        """(rms_norm(x + delta), x + delta); delta None: x is the whole stream; Normed: formed
-        already."""
-        if delta is None:
+        """(rms_norm(x + delta), x + delta); delta None or Squares: x is the whole stream."""
+        if delta is None or isinstance(delta, Squares):
             return norm(x, backend), x
-        if isinstance(delta, Normed):
-            return delta.h, x
         return ops.add_rms_norm(delta, x, norm.weight, self.c.norm_eps, backend)
+
+    def _norm_input(self, x, delta, norm, backend):
+        """(h, x + delta, norm_in): the input of the GEMV after `norm`, and the stream. Where
+        delta is Squares, h is the stream itself and norm_in the (squares, weight, eps) by
+        which that GEMV normalizes it as it loads it (decode.check_norm); else h is normalized
+        here and norm_in is None."""
+        if isinstance(delta, Squares):
+            return x, x, (delta.squares, norm.weight, self.c.norm_eps)
+        h, x = self._norm(x, delta, norm, backend)
+        return h, x, None
 
     def _normed_project(self, x, delta, norm, names, in_gemv, backend):
         """(the fused projection `names` of rms_norm(x + delta), x + delta) (B, S, .): in one
-        kernel (kernels.decode.norm_linear) where `in_gemv` and there is a delta to add, else
-        the norm's kernel, then the GEMV."""
-        if not in_gemv or delta is None or isinstance(delta, Normed):
+        kernel (kernels.decode.norm_linear) where `in_gemv` and there is a delta to add, or
+        (Squares) the GEMV normalizing x as it loads it, else the norm's kernel, then the GEMV."""
+        B, S, D = x.shape
+        if isinstance(delta, Squares):
+            weight, scale = fused_weight(self, names)
+            norm_in = (delta.squares, norm.weight, self.c.norm_eps)
+            y = normed_linear(x.reshape(B * S, D), weight, scale, norm_in, backend)
+            return y.view(B, S, -1), x
+        if not in_gemv or delta is None:
             h, x = self._norm(x, delta, norm, backend)
             return fused_project(h, self, names), x
-        B, S, D = x.shape
         weight, scale = fused_weight(self, names)
         rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
         y, h = decode.norm_linear(*rows, norm.weight, self.c.norm_eps, weight, scale)
@@ -313,9 +330,6 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        # the norm after each block (the next block's first, then the final one), for a block
-        # whose last GEMV forms it (Block.norm_in_epilogue): listed once, not on every pass
-        self._next_norms = (*[layer.attn_norm for layer in self.layers][1:], self.norm)
         if not config.tied_embeddings:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
@@ -417,12 +431,12 @@ class Transformer(nn.Module):
         cos, sin = self._cos_sin(pos, positions)
 
         x, delta = self.embed(tokens), None  # (B, S, D): the residual stream is x + delta
-        for i, (layer, after) in enumerate(zip(self.layers, self._next_norms, strict=True)):
+        for i, layer in enumerate(self.layers):
             if cache is None:
-                x, delta = layer(x, delta, cos, sin, self.backend, next_norm=after)
+                x, delta = layer(x, delta, cos, sin, self.backend)
             else:
                 kv = (cache.k[i], cache.v[i], *layer_cache, shared_start)
-                x, delta = layer(x, delta, cos, sin, self.backend, kv, next_norm=after)
+                x, delta = layer(x, delta, cos, sin, self.backend, kv)
         head, scale = self.embed.weight, None
         if not self.config.tied_embeddings:
             head = self.head.weight
@@ -430,8 +444,11 @@ class Transformer(nn.Module):
             head, scale = self.head_int8, self.head_scale
         B, S, D = x.shape
         eps = self.config.norm_eps
-        if isinstance(delta, Normed):  # the last block's down GEMV formed the final norm
-            return ops.linear(delta.h, head, self.backend, scale)
+        if isinstance(delta, Squares):  # the head normalizes the stream as it loads it
+            norm_in = (delta.squares, self.norm.weight, eps)
+            return normed_linear(x.reshape(B * S, D), head, scale, norm_in, self.backend).view(
+                B, S, -1
+            )
         if delta is not None and norms_in_gemvs(self.backend, B * S, D):
             rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
             logits, _ = decode.norm_linear(*rows, self.norm.weight, eps, head, scale, False)
@@ -464,10 +481,17 @@ def fusions(norm_in_gemv=False, swiglu_in_gemv=False, swiglu_in_epilogue=False,
 
 
 def norm_after_fits(block: Block, rows: int) -> bool:
-    """Whether wo's GEMV adds the residual and normalizes in its epilogue: Block's
-    norm_in_epilogue, for a decoding step's rows of a width linear_norm holds."""
-    return (block.norm_in_epilogue and rows <= gemv.MAX_ROWS
-            and block.c.d_model <= decode.NORM_MAX_K)  # fmt: skip
+    """Whether wo's and w_down's GEMVs add the residual in their epilogues (decode.linear_add):
+    Block's norm_in_epilogue, for a decoding step's rows."""
+    return block.norm_in_epilogue and rows <= gemv.MAX_ROWS
+
+
+def normed_linear(h, weight, scale, norm_in, backend):
+    """h (rows, K) @ weight.T on `backend`; where norm_in (Block._norm_input's), h normalized
+    on the way in by its rows' sums of squares (decode.squares_linear)."""
+    if norm_in is None:
+        return ops.linear(h, weight, backend, scale)
+    return decode.squares_linear(h, *norm_in, weight, scale)
 
 
 def norms_in_gemvs(backend: str, rows: int, d_model: int) -> bool:
