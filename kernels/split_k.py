@@ -197,9 +197,9 @@ def finish(
     """A finished tile's ending: store_output's; or ("add_squares", kernels.decode.linear_add)
     the residual res (M, N) added to the product (rounded to the output's dtype first, as the
     GEMV would store it) and the sum stored, rounded as kernels.norm's add_rms_norm rounds it;
-    and the sum of its squares over the tile's columns, row by row, stored at column `which
-    column tile` of squares (M, column tiles) in fp32: one piece of each row's sum of squares,
-    which the next GEMV adds up to normalize the row (NORM 3), so no program waits for another."""
+    and, row by row, the sum of its squares over the tile's columns, stored in the tile's
+    column of squares (M, column tiles) fp32: one piece of each row's sum of squares, which
+    the next GEMV adds up to normalize the row (NORM 3), so no program waits for another."""
     if ACTIVATION == "add_squares":
         acc = scaled_epilogue(acc, scale_ptr, bias_ptr, cols, N, HAS_SCALE, HAS_BIAS, "none")
         dtype = out_ptr.dtype.element_ty

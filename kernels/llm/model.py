@@ -292,9 +292,9 @@ class Block(nn.Module):
         (Squares) the GEMV normalizing x as it loads it, else the norm's kernel, then the GEMV."""
         B, S, D = x.shape
         if isinstance(delta, Squares):
+            h, x, norm_in = self._norm_input(x, delta, norm, backend)
             weight, scale = fused_weight(self, names)
-            norm_in = (delta.squares, norm.weight, self.c.norm_eps)
-            y = normed_linear(x.reshape(B * S, D), weight, scale, norm_in, backend)
+            y = normed_linear(h.reshape(B * S, D), weight, scale, norm_in, backend)
             return y.view(B, S, -1), x
         if not in_gemv or delta is None:
             h, x = self._norm(x, delta, norm, backend)
