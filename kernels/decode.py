@@ -258,6 +258,17 @@ def store_rotated(
     tl.store(v_cache_ptr + cache + HALF, y2, mask=mask & is_v)
 
 
+def weight_gemv(x, weight, scale=None):
+    """x @ weight.T by kernels.gemv.linear, or with `scale` by kernels.int8.linear (an int8
+    weight): the unfused GEMV that each fused one here is checked and falls back against."""
+    return gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+
+
+def weight_gemv_ref(x, weight, scale=None):
+    """weight_gemv's reference: kernels.gemv's, or kernels.int8's with `scale`."""
+    return gemv.linear_ref(x, weight) if scale is None else int8.linear_ref(x, weight, scale)
+
+
 def gemv_kind(x, weight, scale):
     """(kernels.split_k's kind, the scale to pass) for x @ weight.T, checked as
     kernels.gemv.linear checks it, or with `scale` as kernels.int8.linear does (an int8 weight)."""
@@ -334,7 +345,7 @@ def rotary_gemv_ref(
     """x normalized (norm: its reference, rounded to x's dtype; the squares unread), the GEMV's
     reference (rounded to x's dtype), its columns unpaired, then rotary_kv's (fp64)."""
     x = normed_ref(x, norm)
-    y = gemv.linear_ref(x, qkv_weight) if scale is None else int8.linear_ref(x, qkv_weight, scale)
+    y = weight_gemv_ref(x, qkv_weight, scale)
     qkv = unpair_halves(y, k_cache.shape[-1] // 2).view(x.shape[0], 1, -1)
     return rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
 
@@ -428,7 +439,7 @@ def swiglu_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, scale=None, norm=Non
     """x normalized (norm: its reference, rounded to x's dtype), the GEMV's reference (fp64),
     rounded to x's dtype, then silu_mul's reference."""
     x = normed_ref(x, norm)
-    y = gemv.linear_ref(x, gate_up) if scale is None else int8.linear_ref(x, gate_up, scale)
+    y = weight_gemv_ref(x, gate_up, scale)
     return silu_mul_ref(gate_then_up(y))
 
 
@@ -450,10 +461,7 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> to
 def swiglu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
     """silu_mul then the GEMV's reference, in fp64 (the product rounded to gate_up's dtype
     first, as the kernel rounds it)."""
-    act = silu_mul_ref(gate_up)
-    if scale is not None:
-        return int8.linear_ref(act, weight, scale)
-    return gemv.linear_ref(act, weight)
+    return weight_gemv_ref(silu_mul_ref(gate_up), weight, scale)
 
 
 NORM_MAX_K = 16384  # norm_linear's longest row: each program holds one row of x and residual
@@ -485,8 +493,7 @@ def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_s
     g = norm_weight.contiguous()
     if M == 0 or x.shape[1] == 0:  # nothing to normalize over: the unfused path's answer
         y, h = course_norm.add_rms_norm(x, residual, g, eps)
-        out = int8.linear(y, weight, scale) if scale is not None else gemv.linear(y, weight)
-        return out, (h if keep_sum else None)
+        return weight_gemv(y, weight, scale), (h if keep_sum else None)
     h = torch.empty_like(x) if keep_sum else None
     y = product(x, weight.t(), kind=kind, scale=scale, norm=(residual, g, float(eps), h))
     return y, h
@@ -495,9 +502,7 @@ def norm_linear(x, residual, norm_weight, eps: float, weight, scale=None, keep_s
 def norm_linear_ref(x, residual, norm_weight, eps: float, weight, scale=None):
     """(y, h) from kernels.norm's add_rms_norm reference, then the GEMV's, in fp64."""
     y, h = course_norm.add_rms_norm_ref(x, residual, norm_weight, eps)
-    if scale is not None:
-        return int8.linear_ref(y, weight, scale), h
-    return gemv.linear_ref(y, weight), h
+    return weight_gemv_ref(y, weight, scale), h
 
 
 def linear_add(x, weight, residual, scale=None, splits=None):
@@ -540,8 +545,7 @@ def linear_add(x, weight, residual, scale=None, splits=None):
 
 def linear_add_ref(x, weight, residual, scale=None):
     """The GEMV's reference (rounded to x's dtype), then torch's add (rounded to x's dtype)."""
-    y = gemv.linear_ref(x, weight) if scale is None else int8.linear_ref(x, weight, scale)
-    return y + residual
+    return weight_gemv_ref(x, weight, scale) + residual
 
 
 def check_norm(norm, x):
@@ -595,15 +599,13 @@ def squares_linear(h, squares, norm_weight, eps: float, weight, scale=None):
                          f"{gemv.MAX_ROWS}), got M = {h.shape[0]}: use kernels.norm.rms_norm, "
                          "then a matmul")  # fmt: skip
     if h.shape[1] == 0:  # nothing to normalize over: the unfused path's answer
-        y = course_norm.rms_norm(h, norm[1], eps)
-        return gemv.linear(y, weight) if scale is None else int8.linear(y, weight, scale)
+        return weight_gemv(course_norm.rms_norm(h, norm[1], eps), weight, scale)
     return product(h, weight.t(), kind=kind, scale=scale, squares=norm)
 
 
 def squares_linear_ref(h, norm_weight, eps: float, weight, scale=None):
     """kernels.norm's rms_norm reference (rounded to h's dtype), then the GEMV's (fp64)."""
-    y = course_norm.rms_norm_ref(h, norm_weight, eps)
-    return gemv.linear_ref(y, weight) if scale is None else int8.linear_ref(y, weight, scale)
+    return weight_gemv_ref(course_norm.rms_norm_ref(h, norm_weight, eps), weight, scale)
 
 
 def decode_split(Sk: int, kv_heads: int, sms: int | None = None) -> int:

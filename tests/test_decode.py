@@ -87,7 +87,7 @@ def test_rotary_gemv_matches_fp64_and_the_gemv_then_rotary_kv(shape, splits, wei
     rotary_kv's, on odd shapes, K whole or cut into 3 pieces (summed by each tile's last
     piece; or, with no arrival counters to be had, the GEMV then rotary_kv); on the
     interpreter bit for bit what the GEMV then rotary_kv give."""
-    from kernels import arrivals, gemv, int8
+    from kernels import arrivals, int8
 
     B, H, Hkv, hd, K = shape
     if splits == "no counters":
@@ -109,7 +109,7 @@ def test_rotary_gemv_matches_fp64_and_the_gemv_then_rotary_kv(shape, splits, wei
     for out, ref in ((q, q_ref), (k_cache, k_ref), (v_cache, v_ref)):
         torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
     if DEVICE.type == "cpu" and splits is None:  # one piece on the interpreter: the same bits
-        y = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+        y = decode.weight_gemv(x, weight, scale)
         qkv = decode.unpair_halves(y, hd // 2).view(B, 1, -1)
         two = decode.rotary_kv(qkv, cos, sin, k_two, v_two, rows, pos, H, Hkv)
         assert torch.equal(q, two) and torch.equal(k_cache, k_two)
@@ -145,7 +145,7 @@ def test_linear_add_matches_fp64_and_stores_each_column_tiles_squares(
     cut into 3 pieces (summed by each tile's last piece) or, with no arrival counters to be
     had, one; piece j of each row's squares is the sum of squares of h's columns in column
     tile j; on the interpreter h is bit for bit the stream of the GEMV then add_rms_norm."""
-    from kernels import arrivals, gemv, int8, split_k
+    from kernels import arrivals, int8, split_k
     from kernels import norm as course_norm
 
     M, N, K = shape
@@ -170,7 +170,7 @@ def test_linear_add_matches_fp64_and_stores_each_column_tiles_squares(
         piece = h[:, j * width : (j + 1) * width].double().pow(2).sum(-1)
         torch.testing.assert_close(squares[:, j].double(), piece, rtol=1e-5, atol=1e-5)
     if DEVICE.type == "cpu" and splits is None:  # the same sums on the interpreter: the same bits
-        product = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+        product = decode.weight_gemv(x, weight, scale)
         _, h_two = course_norm.add_rms_norm(product, residual, torch.ones_like(residual[0]))
         assert torch.equal(h, h_two)
 
@@ -406,7 +406,7 @@ def _tiny_model_both_ways(model, weights, monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 33, 70), (3, 64, 200), (17, 5, 31)], ids=str)
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_swiglu_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weights):
-    from kernels import gemv, int8
+    from kernels import int8
 
     M, N, F = shape
     gate_up = check.random_tensor((M, 2 * F), dtype, seed=5, scale=2.0)
@@ -421,7 +421,7 @@ def test_swiglu_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weight
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
     if DEVICE.type == "cpu":  # one tile on the interpreter: the same sums, the same bits
         act = decode.silu_mul(gate_up)
-        two = gemv.linear(act, weight) if scale is None else int8.linear(act, weight, scale)
+        two = decode.weight_gemv(act, weight, scale)
         assert torch.equal(out, two)
 
 
@@ -432,7 +432,7 @@ def test_norm_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weights)
     """rms_norm(x + residual) * g @ W.T in the GEMV's loads: against fp64, against
     add_rms_norm then the GEMV (the squares summed in other pieces: within rounding), and the
     residual stream x + residual stored bit for bit as add_rms_norm stores it."""
-    from kernels import gemv, int8, norm
+    from kernels import int8, norm
 
     M, N, K = shape
     x = check.random_tensor((M, K), dtype, seed=7, scale=2.0)
@@ -448,7 +448,7 @@ def test_norm_linear_matches_fp64_and_the_two_kernel_path(shape, dtype, weights)
     tol = 4 * TOL[dtype]
     torch.testing.assert_close(y.double(), y_ref.double(), atol=tol, rtol=tol)
     normed, h_two = norm.add_rms_norm(x, residual, g, 1e-5)
-    two = gemv.linear(normed, weight) if scale is None else int8.linear(normed, weight, scale)
+    two = decode.weight_gemv(normed, weight, scale)
     assert torch.equal(h, h_two)
     torch.testing.assert_close(y, two, atol=tol, rtol=tol)
     y_only, none = decode.norm_linear(x, residual, g, 1e-5, weight, scale, keep_sum=False)
@@ -482,7 +482,7 @@ def test_swiglu_gemv_matches_fp64_and_the_two_kernel_path(
     and on the interpreter bit for bit against the GEMV then silu_mul, with K whole and cut
     into pieces summed by the tile's last piece or by the reduce kernel (the product is formed
     after the sum)."""
-    from kernels import gemv, int8, split_k
+    from kernels import int8, split_k
 
     if splits == "reduce":  # no tile's partials are few enough for its last piece to sum
         monkeypatch.setattr(split_k, "LAST_SUM_MAX_ELEMENTS", 0)
@@ -507,7 +507,7 @@ def test_swiglu_gemv_matches_fp64_and_the_two_kernel_path(
     tol = 2 * TOL[dtype]
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
     if DEVICE.type == "cpu" and splits is None:  # one tile on the interpreter: the same bits
-        y = gemv.linear(x, weight) if scale is None else int8.linear(x, weight, scale)
+        y = decode.weight_gemv(x, weight, scale)
         two = decode.silu_mul(decode.gate_then_up(y))
         assert torch.equal(out, two)
 
