@@ -173,13 +173,12 @@ class Block(nn.Module):
         whose add is left to the next norm so that one kernel adds and normalizes
         (ops.add_rms_norm); delta None: x is the whole stream; delta Squares: x is the whole
         stream, formed in the epilogue of the GEMV before, with its rows' sums of squares
-        (norm_in_epilogue). `cache`: (k_cache,
-        v_cache, rows, gather, pos, kv_lens, length, start): this layer's (Bc, Hkv, T, hd)
-        cache, the (B,) cache rows used (gathered when `gather`, else rows 0..B-1 in order), the
-        (B, S) new positions, each row's keys after the write (B,), how many cache positions
-        attention reads, and `start`, an int when every row starts at the same position (known
-        on the host: the keys are written and read as slices, with no mask and nothing read
-        back)."""
+        (norm_in_epilogue). `cache`: (k_cache, v_cache, rows, gather, pos, kv_lens, length,
+        start): this layer's (Bc, Hkv, T, hd) cache, the (B,) cache rows used (gathered when
+        `gather`, else rows 0..B-1 in order), the (B, S) new positions, each row's keys after
+        the write (B,), how many cache positions attention reads, and `start`, an int when every
+        row starts at the same position (known on the host: the keys are written and read as
+        slices, with no mask and nothing read back)."""
         c = self.c
         B, S, _ = x.shape
         # The course's backend fuses what it can (kernels.decode): one GEMV for q, k and v, one
@@ -413,10 +412,9 @@ class Transformer(nn.Module):
         dtype = self.embed.weight.dtype
         if torch.compiler.is_compiling():
             return rotary_cos_sin(pos, self.inv_freq, dtype)
-        kept = self._rotary_table
-        if kept is None or kept[0] is not self.inv_freq or kept[1] != dtype:
-            kept = None
-        if kept is None or kept[2].shape[1] < positions:
+        kept = self._rotary_table  # built again for new frequencies, a dtype or more positions
+        if (kept is None or kept[0] is not self.inv_freq or kept[1] != dtype
+                or kept[2].shape[1] < positions):  # fmt: skip
             every = torch.arange(max(positions, self.config.max_seq_len), device=pos.device)
             cos, sin = rotary_cos_sin(every[None], self.inv_freq, dtype)  # (1, 1, T, hd)
             kept = self.inv_freq, dtype, torch.stack([cos[0, 0], sin[0, 0]])
