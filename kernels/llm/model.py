@@ -148,8 +148,15 @@ class Block(nn.Module):
     # the whole norm done by the last column tile of a row to finish (an arrival counter), was
     # slower than the norm's own kernel on an H100 (torch 2.11, triton 3.6, 2026-12-07; a step
     # in a CUDA graph): SmolLM2's shapes 0.717-0.718 ms against 0.691-0.695, the llama-1b
-    # shape 1.322-1.323 against 1.258-1.259. Off until this one has been timed. Not with
-    # tensor parallelism (the partial outputs are summed across ranks before the add).
+    # shape 1.322-1.323 against 1.258-1.259. This one lost too (H100, the same versions,
+    # 2026-12-07, two rounds): SmolLM2's shapes 0.706-0.709 ms against 0.654-0.681, the
+    # llama-1b shape 2.268-2.271 against 1.224-1.226. Timed alone at SmolLM2's shapes, a GEMV
+    # that normalizes by the squares took 4.31-4.33 us where the plain one took 2.73-2.79 (the
+    # norm kernel it replaces, 1.26-1.30); at the 1B shape's w_down (2048 x 8192) linear_add
+    # took 42.0 us against the GEMV's 10.8: the plain plan's nine pieces of K are too many to
+    # sum in the kernel, so it runs in one piece, 16 programs for 32 MB. Off; kept, with its
+    # tests, to be measured again. Not with tensor parallelism (the partial outputs are summed
+    # across ranks before the add).
     norm_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
