@@ -25,8 +25,10 @@ linear_add(x, weight, residual) and the `norm` of the GEMVs after it: the same b
   between two GEMVs, with nothing recomputed and no program waiting for another. The GEMV that
   ends a sub-block (wo, w_down) adds the residual in its epilogue and stores, from each column
   tile, the sum of the squares of its part of each row: (h, squares). The GEMV that starts the
-  next (squares_linear; swiglu_gemv and rotary_gemv with `norm`) adds each row's few pieces up
-  for its 1 / rms and normalizes its input as it loads it: the norm's launch is gone.
+  next (squares_linear; swiglu_gemv and rotary_gemv with `norm`) reads a weight with the
+  norm's weight folded into its columns once (fold_norm), loads its input as it is, and scales
+  each row of its product by the row's 1 / rms, from the row's few pieces: the norm's launch is
+  gone and the GEMV's loop is the plain one.
 
 attention(q, k, v, kv_lens): one query a row (decode) over a KV cache, with grouped-query
   heads: the GROUP query heads that share a key/value head are one tile of rows, so each key
@@ -58,7 +60,13 @@ from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.primitives import dependent_keywords, swiglu, wait_for_previous
 from kernels.runtime import processors
 from kernels.split_k import product
-from kernels.validate import check_row_vector, check_same, check_tensor, input_precision
+from kernels.validate import (
+    FLOAT_DTYPES,
+    check_row_vector,
+    check_same,
+    check_tensor,
+    input_precision,
+)
 
 
 @triton.jit
@@ -301,8 +309,8 @@ def rotary_gemv(
     way), so that every tile holds both members of each rotary pair. One token a row (a
     decoding step): cos, sin (B, 1, 1, hd), rows (B,), pos (B, 1); returns q (B, H, 1, hd), the
     values rotary_kv gives after the GEMV (q/k/v rounded to x's dtype first). `norm`:
-    (squares, norm_weight, eps), x is normalized on the way in (check_norm). `splits`: K cut
-    into at most that many pieces (kernels.split_k.choose_plan), for tests."""
+    (squares, eps), x normalized by its sums of squares, the weight folded (check_norm).
+    `splits`: K cut into at most that many pieces (kernels.split_k.choose_plan), for tests."""
     check_tensor("x", x, ndim=2)
     split_k.check_splits(splits)
     squares = check_norm(norm, x)
@@ -342,10 +350,9 @@ def rotary_gemv_ref(
     x, qkv_weight, cos, sin, k_cache, v_cache, rows, pos, n_heads: int, n_kv_heads: int,
     scale=None, norm=None,
 ) -> torch.Tensor:  # fmt: skip
-    """x normalized (norm: its reference, rounded to x's dtype; the squares unread), the GEMV's
-    reference (rounded to x's dtype), its columns unpaired, then rotary_kv's (fp64)."""
-    x = normed_ref(x, norm)
-    y = weight_gemv_ref(x, qkv_weight, scale)
+    """The GEMV's reference (with `norm`, normed_gemv_ref's), its columns unpaired, then
+    rotary_kv's (fp64)."""
+    y = normed_gemv_ref(x, qkv_weight, scale, norm)
     qkv = unpair_halves(y, k_cache.shape[-1] // 2).view(x.shape[0], 1, -1)
     return rotary_kv_ref(qkv, cos, sin, k_cache, v_cache, rows, pos, n_heads, n_kv_heads)
 
@@ -426,7 +433,8 @@ def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None, norm=None) -
     GEMV tile holds each gate column beside its up column, so the product costs each program
     a few operations on what it already holds, and no kernel of its own. Output (M, F) in x's
     dtype: the values of silu_mul after the GEMV (gate and up rounded to x's dtype first).
-    `norm`: (squares, norm_weight, eps), x is normalized on the way in (check_norm)."""
+    `norm`: (squares, eps), x normalized by its sums of squares, the weight folded
+    (check_norm)."""
     if gate_up.dim() != 2 or gate_up.shape[0] % 2:
         raise ValueError(f"gate_up must be (2F, K), gate and up rows interleaved "
                          f"(interleave_rows), got {tuple(gate_up.shape)}")  # fmt: skip
@@ -436,10 +444,8 @@ def swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, scale=None, norm=None) -
 
 
 def swiglu_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, scale=None, norm=None):
-    """x normalized (norm: its reference, rounded to x's dtype), the GEMV's reference (fp64),
-    rounded to x's dtype, then silu_mul's reference."""
-    x = normed_ref(x, norm)
-    y = weight_gemv_ref(x, gate_up, scale)
+    """The GEMV's reference (with `norm`, normed_gemv_ref's), then silu_mul's."""
+    y = normed_gemv_ref(x, gate_up, scale, norm)
     return silu_mul_ref(gate_then_up(y))
 
 
@@ -534,9 +540,13 @@ def linear_add(x, weight, residual, scale=None, splits=None):
     b = weight.t()
     plan = split_k.choose_plan(x, b, kind, scale, splits=splits)  # the plain GEMV's plan
     tiles = cdiv(M, plan.tile.BLOCK_M) * cdiv(N, plan.tile.BLOCK_N)
-    if plan.splits > 1 and (
-        not split_k.last_piece_sums(plan) or arrivals.counters(x.device, tiles) is None
-    ):  # the pieces could not be summed in the kernel: one piece, nothing to sum
+    if plan.splits > 1 and not split_k.last_piece_sums(plan):  # too many partials for a
+        # tile's last piece to sum: as many pieces as it sums (the 1B shape's w_down, nine
+        # pieces of 64 x 128 tiles, in eight; in one it took 4x the GEMV's time)
+        most = split_k.LAST_SUM_MAX_ELEMENTS // (plan.tile.BLOCK_M * plan.tile.BLOCK_N)
+        plan = split_k._with_splits(plan, K, max(most, 1))
+    if plan.splits > 1 and arrivals.counters(x.device, tiles) is None:  # nothing to count
+        # arrivals with: one piece, nothing to sum
         plan = split_k._with_splits(plan, K, 1)
     squares = x.new_empty((M, cdiv(N, plan.tile.BLOCK_N)), dtype=torch.float32)
     h = split_k._run(x, b, plan, scale, None, "add_squares", norm=(residual, squares))
@@ -549,22 +559,23 @@ def linear_add_ref(x, weight, residual, scale=None):
 
 
 def check_norm(norm, x):
-    """A GEMV's `norm` (None, or (squares, norm_weight, eps): its input x (M, K) is the stream
-    and the product is rms_norm(x) * norm_weight @ W.T, each row's sum of squares in pieces,
-    squares (M, pieces) fp32 from linear_add) -> the squares tuple kernels.split_k takes."""
+    """A GEMV's `norm` (None, or (squares, eps): its input x (M, K) is the stream, its weight
+    has a norm's weight folded in (fold_norm), and the product is rms_norm(x) * g @ W.T, each
+    row's sum of squares in pieces, squares (M, pieces) fp32 from linear_add) -> the squares
+    tuple kernels.split_k takes."""
     if norm is None:
         return None
-    if not isinstance(norm, tuple) or len(norm) != 3:
-        raise TypeError("norm must be (squares, norm_weight, eps) (linear_add's squares)")
-    squares, g, eps = norm
+    if not isinstance(norm, tuple) or len(norm) != 2:
+        raise TypeError("norm must be (squares, eps) (linear_add's squares; the weight folded "
+                        "by fold_norm)")  # fmt: skip
+    squares, eps = norm
     check_tensor("squares", squares, ndim=2)
     if (squares.dtype != torch.float32 or squares.shape[0] != x.shape[0] or squares.shape[1] < 1
             or not squares.is_contiguous() or squares.device != x.device):  # fmt: skip
         raise ValueError(f"squares must be a contiguous fp32 (M, pieces) tensor on x's device "
                          f"with x's {x.shape[0]} rows, got {tuple(squares.shape)} "
                          f"{squares.dtype}")  # fmt: skip
-    check_row_vector("norm_weight", g, x)
-    return squares, g.contiguous(), float(eps)
+    return squares, float(eps)
 
 
 def norm_arguments(squares, stand_in) -> tuple:
@@ -572,40 +583,64 @@ def norm_arguments(squares, stand_in) -> tuple:
     check_norm's squares (or none: stand-ins, never read)."""
     if squares is None:
         return (stand_in, stand_in, 0.0, 1), {"NORM": 0, "ROW": 1}
-    sq, g, eps = squares
-    return (sq, g, eps, sq.shape[1]), {"NORM": 3, "ROW": next_power_of_2(sq.shape[1])}
+    sq, eps = squares
+    return (sq, stand_in, eps, sq.shape[1]), {"NORM": 3, "ROW": next_power_of_2(sq.shape[1])}
 
 
-def normed_ref(x, norm):
-    """x, or (norm) kernels.norm's rms_norm reference of x, rounded to x's dtype."""
+def fold_norm(weight, norm_weight, scale=None):
+    """(weight, scale) of the GEMV after an RMSNorm with its weight g folded into the columns:
+    rms_norm(x) * g @ W.T = (x @ (W * g).T) / rms(x), so that a GEMV given x's sums of squares
+    (`norm`) loads x as it is and scales each row of its product once. W * g rounded to W's
+    dtype; an int8 weight (with its `scale`) is dequantized, folded and quantized again
+    (kernels.int8.quantize). Done once, when a model's weights are stacked."""
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES + (torch.int8,))
+    check_tensor("norm_weight", norm_weight, ndim=1)
+    if norm_weight.shape[0] != weight.shape[1]:
+        raise ValueError(f"norm_weight must have the weight's {weight.shape[1]} columns, got "
+                         f"{tuple(norm_weight.shape)}")  # fmt: skip
+    if weight.dtype == torch.int8 and scale is None:
+        raise ValueError("an int8 weight needs its scale to be folded")
+    g = norm_weight.float()[None, :]
+    if scale is None:
+        return (weight.float() * g).to(weight.dtype), None
+    return int8.quantize(weight.float() * scale.float()[:, None] * g)
+
+
+def normed_gemv_ref(x, weight, scale=None, norm=None):
+    """weight_gemv's reference; with `norm` ((squares, eps); the squares unread, the weight
+    folded), each row of the product in fp64 times the row's 1 / rms (fp64, over x itself),
+    rounded to x's dtype."""
     if norm is None:
-        return x
-    _, g, eps = norm
-    return course_norm.rms_norm_ref(x, g, eps)
+        return weight_gemv_ref(x, weight, scale)
+    xd, w = x.double(), weight.double()
+    if scale is not None:
+        w = w * scale.double()[:, None]
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm[1])
+    return ((xd @ w.T) * rstd).to(x.dtype)
 
 
-def squares_linear(h, squares, norm_weight, eps: float, weight, scale=None):
-    """rms_norm(h) * norm_weight @ weight.T for the stream h (M, K) that linear_add formed,
-    with its rows' sums of squares in pieces (`squares`): the GEMV (kernels.gemv.linear; with
-    `scale`, an int8 weight as kernels.int8.linear) normalizes each tile of h as it loads it,
-    each program adding a row's few pieces for its 1 / rms: no norm kernel. M <=
-    kernels.gemv.MAX_ROWS. The values of kernels.norm.rms_norm then the GEMV (the squares
-    summed in other pieces: within rounding)."""
+def squares_linear(h, squares, eps: float, weight, scale=None):
+    """rms_norm(h) * g @ W.T for the stream h (M, K) that linear_add formed, with its rows'
+    sums of squares in pieces (`squares`), and weight = fold_norm(W, g) (with `scale`, an
+    int8 weight as kernels.int8.linear): the plain GEMV's loop over h as it is, each row of
+    the product scaled by its 1 / rms, which each program adds up from the row's few pieces:
+    no norm kernel. M <= kernels.gemv.MAX_ROWS. Within rounding of kernels.norm.rms_norm then
+    the GEMV (g is rounded into the weight, and the normalized h is never rounded)."""
     check_tensor("h", h, ndim=2)
     kind, scale = gemv_kind(h, weight, scale)
-    norm = check_norm((squares, norm_weight, eps), h)
+    norm = check_norm((squares, eps), h)
     if h.shape[0] > gemv.MAX_ROWS:
         raise ValueError(f"squares_linear is for a decoding step's rows (M <= "
                          f"{gemv.MAX_ROWS}), got M = {h.shape[0]}: use kernels.norm.rms_norm, "
                          "then a matmul")  # fmt: skip
-    if h.shape[1] == 0:  # nothing to normalize over: the unfused path's answer
-        return weight_gemv(course_norm.rms_norm(h, norm[1], eps), weight, scale)
+    if h.shape[1] == 0:  # an empty sum: zeros, as the GEMV gives
+        return weight_gemv(h, weight, scale)
     return product(h, weight.t(), kind=kind, scale=scale, squares=norm)
 
 
-def squares_linear_ref(h, norm_weight, eps: float, weight, scale=None):
-    """kernels.norm's rms_norm reference (rounded to h's dtype), then the GEMV's (fp64)."""
-    return weight_gemv_ref(course_norm.rms_norm_ref(h, norm_weight, eps), weight, scale)
+def squares_linear_ref(h, eps: float, weight, scale=None):
+    """normed_gemv_ref for squares_linear (fp64, rounded to h's dtype)."""
+    return normed_gemv_ref(h, weight, scale, (None, eps))
 
 
 def decode_split(Sk: int, kv_heads: int, sms: int | None = None) -> int:

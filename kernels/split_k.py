@@ -16,8 +16,10 @@ and stores the output itself (no partials).
 What a decoding step fuses into the loads of a (kernels.decode): SwiGLU's product (GATED: a
 holds gate then up) and the residual add and RMSNorm before a projection (NORM 1 and 2: each
 program first sums its rows' squares of a + res over all of K, then normalizes each tile it
-loads; NORM 3: a is the stream already added, and its rows' sums of squares come in pieces,
-one from each column tile of the GEMV before). And into the ending of a tile (`finish`,
+loads; NORM 3: a is the stream already added, its rows' sums of squares come in pieces,
+one from each column tile of the GEMV before, and the norm's weight is folded into b's rows
+(kernels.decode.fold_norm), so a is loaded as it is and each row of the product is scaled by
+its 1 / rms once, after the loop). And into the ending of a tile (`finish`,
 store_output): SwiGLU's product (activation "swiglu", gate and up columns side by side), or
 the residual add after the product ("add_squares": each tile stores its part of the stream
 and the sum of its squares, the pieces NORM 3 adds up).
@@ -140,16 +142,10 @@ def rms_of_squares(sq_ptr, first_row, M, K, n_squares, eps, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def scaled_row(h, g, rstd):
-    """h * rstd * g for a tile of rows h (their 1 / rms rstd), as kernels.norm computes and
-    rounds it."""
-    return (h.to(tl.float32) * rstd[:, None] * g.to(tl.float32)[None, :]).to(h.dtype)
-
-
-@triton.jit
 def normed(x, r, g, rstd):
     """rms_norm(x + r) * g for a tile, as kernels.norm's add_rms_norm computes and rounds it."""
-    return scaled_row((x.to(tl.float32) + r.to(tl.float32)).to(x.dtype), g, rstd)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return (h.to(tl.float32) * rstd[:, None] * g.to(tl.float32)[None, :]).to(x.dtype)
 
 
 # M is not specialized: Triton would compile other code for M == 1 or M % 16 == 0, and one
@@ -159,8 +155,8 @@ def split_k_kernel(
     a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, bias_ptr, count_ptr, M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     res_ptr, g_ptr, stream_ptr, eps, n_squares,
-    # NORM 0, 1 (normalize a + res), 2 (and store it), ROW >= K; 3 (normalize a by its sums of
-    # squares in n_squares pieces at res), ROW >= n_squares
+    # NORM 0, 1 (normalize a + res), 2 (and store it), ROW >= K; 3 (scale the product's rows
+    # by 1 / rms from a's sums of squares in n_squares pieces at res), ROW >= n_squares
     NORM: tl.constexpr, ROW: tl.constexpr,
     DIRECT: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -257,9 +253,9 @@ def accumulate(
             lines = tl.minimum(k_start + tl.arange(0, PREFETCH_ROWS) * LINE, K - 1)
             prefetch_l2(b_ptr + lines[:, None] * stride_bk + cols_in[None, :] * stride_bn)
         wait_for_previous(PDL)
-    if NORM == 3:  # a is rms_norm(a) * g, its rows' sums of squares in pieces at res
-        # (kernels.decode.squares_linear): a few numbers a row to load and add up
-        g_ptrs = g_ptr + k_start + ks
+    if NORM == 3:  # the product is rms_norm(a) * g @ b with g folded into b's rows
+        # (kernels.decode.squares_linear): a row's few pieces of its sum of squares, loaded
+        # now and used after the loop, which runs as the plain GEMV's
         rstd = rms_of_squares(res_ptr, pid_m * BLOCK_M, M, K, n_squares, eps, BLOCK_M, ROW)
     elif NORM:  # a is rms_norm(a + res) * g (kernels.decode.norm_linear): every program needs
         # its rows' rstd over all of K first; the first column tile's first piece stores a + res
@@ -274,22 +270,17 @@ def accumulate(
         if EVEN_K:  # K a multiple of BLOCK_K, so is every piece: no masks along K
             a = load_a(a_ptrs, row_ok, K, stride_ak, GATED)
             b = tl.load(b_ptrs)
-            if NORM == 3:
-                a = scaled_row(a, tl.load(g_ptrs), rstd)
-            elif NORM:
+            if NORM == 1 or NORM == 2:
                 a = normed(a, tl.load(r_ptrs, mask=row_ok, other=0.0), tl.load(g_ptrs), rstd)
         else:
             k_ok = ks < k_end - k0
             a = load_a(a_ptrs, row_ok & k_ok[None, :], K, stride_ak, GATED)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            if NORM == 3:
-                a = scaled_row(a, tl.load(g_ptrs, mask=k_ok, other=0.0), rstd)
-            elif NORM:
+            if NORM == 1 or NORM == 2:
                 r = tl.load(r_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
                 a = normed(a, r, tl.load(g_ptrs, mask=k_ok, other=0.0), rstd)
-        if NORM:
-            g_ptrs += BLOCK_K
         if NORM == 1 or NORM == 2:
+            g_ptrs += BLOCK_K
             r_ptrs += BLOCK_K * stride_ak
         b = b.to(a.dtype)  # int8 weights: exact in fp16/bf16/fp32 (|q| <= 127)
         if USE_DOT:
@@ -301,6 +292,8 @@ def accumulate(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if NORM == 3:  # each piece's partial scaled alike: their sum is the row's product scaled
+        acc = acc * rstd[:, None]
     pieces = tl.num_programs(0) // (tiles_m * tiles_n)
     return acc, rows, cols, split, pid % (tiles_m * tiles_n), pieces
 
@@ -385,8 +378,9 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
     """Launch `plan` for validated a (M, K), b (K, N) with M, N, K > 0; gated: a is (M, 2K),
     gate then up, and the product is silu(gate) * up @ b; norm: (res, g, eps, stream), the
     product is rms_norm(a + res) * g @ b, with a + res stored into stream (or not: None);
-    squares: (sq, g, eps), the product is rms_norm(a) * g @ b, sq (M, pieces) fp32 contiguous
-    holding a's rows' sums of squares in pieces. activation "add_squares"
+    squares: (sq, eps), the product's rows scaled by a's 1 / rms, sq (M, pieces) fp32
+    contiguous holding a's rows' sums of squares in pieces (with a norm's weight folded into
+    b's rows: rms_norm(a) * g @ b, kernels.decode.fold_norm). activation "add_squares"
     (kernels.decode.linear_add): norm is (res, sq) instead, res (M, N) contiguous and sq
     (M, column tiles of the plan) fp32: the output is res + a @ b and sq its rows' sums of
     squares by column tile; the plan's pieces must be summed in the kernel (one piece, or
@@ -412,7 +406,7 @@ def _run(a, b, plan, scale=None, bias=None, activation=None, gated=False, norm=N
         norm_flag, row = (1 if stream is None else 2), next_power_of_2(K)
         stream = out if stream is None else stream
     elif squares is not None:
-        res, g, eps = squares
+        res, eps = squares
         norm_flag, n_squares = 3, res.shape[1]
         row = next_power_of_2(n_squares)
     tiles = cdiv(M, tile.BLOCK_M) * cdiv(N, tile.BLOCK_N)

@@ -195,9 +195,10 @@ def test_linear_add_rejects_bad_inputs_clearly():
 def test_the_gemvs_after_linear_add_normalize_the_stream_by_its_squares(shape, splits, weights,
                                                                         dtype):  # fmt: skip
     """What comes after linear_add: squares_linear, swiglu_gemv and rotary_gemv with `norm`
-    take the stream h (M, D) it formed and its squares in pieces, and normalize h as they load
-    it (each program adds a row's pieces for its 1 / rms), against kernels.norm's rms_norm
-    reference then each GEMV's, K of linear_add whole or cut into 3 pieces."""
+    take the stream h (M, D) it formed and its squares in pieces, and a weight with the norm's
+    folded in (fold_norm), and scale each row of the product by its 1 / rms (each program
+    adds the row's pieces), against each GEMV's reference of rms_norm(h) * g (fp64), K of
+    linear_add whole or cut into 3 pieces."""
     from kernels import int8
 
     M, D, K = shape
@@ -206,22 +207,34 @@ def test_the_gemvs_after_linear_add_normalize_the_stream_by_its_squares(shape, s
     h, squares = decode.linear_add(x, w_out, check.random_tensor((M, D), dtype, seed=23),
                                    splits=splits)  # fmt: skip
     g = check.random_tensor((D,), dtype, seed=24) + 1
-    norm = (squares, g, 1e-5)
-    quantized = lambda w: int8.quantize(w.float()) if weights == "int8" else (w, None)
+    norm = (squares, 1e-5)
     tol = 2 * TOL[dtype]
-    weight, scale = quantized(check.random_tensor((37, D), dtype, seed=25, scale=D**-0.5))
-    y = decode.squares_linear(h, squares, g, 1e-5, weight, scale)
-    ref = decode.squares_linear_ref(h, g, 1e-5, weight, scale)
+
+    def folded(w):  # the weight with g folded in (int8: quantized first, then folded)
+        scale = None
+        if weights == "int8":
+            w, scale = int8.quantize(w.float())
+        return decode.fold_norm(w, g, scale)
+
+    # against the unfolded weight: rms_norm(h) * g, then the GEMV (fp64)
+    w = check.random_tensor((37, D), dtype, seed=25, scale=D**-0.5)
+    weight, scale = folded(w)
+    y = decode.squares_linear(h, squares, 1e-5, weight, scale)
     assert y.shape == (M, 37) and y.dtype == dtype
+    h64 = h.double()
+    unfolded = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()
+    if weights == "float":
+        torch.testing.assert_close(y.double(), unfolded @ w.double().T, atol=tol, rtol=tol)
+    ref = decode.squares_linear_ref(h, 1e-5, weight, scale)
     torch.testing.assert_close(y.double(), ref.double(), atol=tol, rtol=tol)
-    gate_up, scale = quantized(decode.interleave_rows(
+    gate_up, scale = folded(decode.interleave_rows(
         check.random_tensor((19, D), dtype, seed=26, scale=D**-0.5),
         check.random_tensor((19, D), dtype, seed=27, scale=D**-0.5)))  # fmt: skip
     act = decode.swiglu_gemv(h, gate_up, scale, norm=norm)
     ref = decode.swiglu_gemv_ref(h, gate_up, scale, norm=norm)
     torch.testing.assert_close(act.double(), ref.double(), atol=tol, rtol=tol)
     _, cos, sin, k_cache, v_cache, rows, pos, H, Hkv = rotary_case(M, 1, 3, 1, 6, 5, dtype, True)
-    w, scale = quantized(check.random_tensor((30, D), dtype, seed=28, scale=D**-0.5))
+    w, scale = folded(check.random_tensor((30, D), dtype, seed=28, scale=D**-0.5))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q = decode.rotary_gemv(h, w, cos, sin, k_cache, v_cache, rows, pos, H, Hkv, scale, norm=norm)
     q_ref = decode.rotary_gemv_ref(h, w, cos, sin, k_ref, v_ref, rows, pos, H, Hkv, scale, norm)
@@ -233,17 +246,28 @@ def test_a_norm_by_squares_rejects_bad_inputs_clearly():
     h, w = torch.ones((2, 8), device=DEVICE), torch.ones((3, 8), device=DEVICE)
     g, squares = torch.ones(8, device=DEVICE), torch.ones((2, 2), device=DEVICE)
     with pytest.raises(ValueError, match=r"contiguous fp32 \(M, pieces\).*2 rows, got \(3, 2\)"):
-        decode.squares_linear(h, torch.ones((3, 2), device=DEVICE), g, 1e-5, w)
+        decode.squares_linear(h, torch.ones((3, 2), device=DEVICE), 1e-5, w)
     with pytest.raises(ValueError, match="fp32"):
-        decode.squares_linear(h, squares.half(), g, 1e-5, w)
-    with pytest.raises(ValueError, match="norm_weight must have x's last dim"):
-        decode.squares_linear(h, squares, g[:7], 1e-5, w)
-    with pytest.raises(TypeError, match=r"norm must be \(squares, norm_weight, eps\)"):
-        decode.swiglu_gemv(h, torch.ones((6, 8), device=DEVICE), norm=(squares, g))
+        decode.squares_linear(h, squares.half(), 1e-5, w)
+    with pytest.raises(TypeError, match=r"norm must be \(squares, eps\)"):
+        decode.swiglu_gemv(h, torch.ones((6, 8), device=DEVICE), norm=(squares, g, 1e-5))
     with pytest.raises(ValueError, match="M <= 64"):
         big = torch.ones((65, 8), device=DEVICE)
-        decode.squares_linear(big, torch.ones((65, 1), device=DEVICE), g, 1e-5, w)
-    y = decode.squares_linear(h, squares, g, 1e-12, w)  # squares 2 over 8 columns: 1 / rms = 2
+        decode.squares_linear(big, torch.ones((65, 1), device=DEVICE), 1e-5, w)
+    with pytest.raises(ValueError, match="norm_weight must have the weight's 8 columns"):
+        decode.fold_norm(w, g[:7])
+    with pytest.raises(ValueError, match="int8 weight needs its scale"):
+        decode.fold_norm(w.to(torch.int8), g)
+    # folded: the weight's columns times g, rounded to its dtype; int8 quantized again
+    torch.testing.assert_close(decode.fold_norm(w.half(), g * 3)[0], torch.full((3, 8), 3.0,
+                               device=DEVICE, dtype=torch.float16))  # fmt: skip
+    q, scale = decode.fold_norm(w.to(torch.int8) * 127, g * 2, torch.full((3,), 0.5, device=DEVICE))
+    assert (
+        q.dtype == torch.int8
+        and bool((q == 127).all())
+        and torch.equal(scale, torch.ones(3, device=DEVICE))
+    )
+    y = decode.squares_linear(h, squares, 1e-12, w)  # squares 2 over 8 columns: 1 / rms = 2
     torch.testing.assert_close(y, torch.full((2, 3), 16.0, device=DEVICE))
 
 
@@ -300,10 +324,10 @@ def test_a_long_prefill_takes_the_paired_stacks_too(weights):
     ref = reference(tokens, reference.new_cache(2, gemv.MAX_ROWS), input_pos=0)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     c = model.config
-    for layer in model.layers:  # the paired stacks alone
+    for layer in model.layers:  # the paired stacks alone (neither folded with a norm)
         assert list(layer.__dict__["_fused"]) == [
-            (("wq", "wk", "wv"), c.head_dim // 2),
-            (("w_gate", "w_up"), c.d_ff),
+            (("wq", "wk", "wv"), c.head_dim // 2, False),
+            (("w_gate", "w_up"), c.d_ff, False),
         ]
 
 
@@ -311,10 +335,11 @@ def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
     """A decoding step of the tiny model on the course's backend, its launches counted by
     kernel, SwiGLU in the gate-and-up GEMV's epilogue in both: with rotary in the q/k/v GEMV's
     epilogue and the norms in the epilogues of wo and w_down, rotary_kv's launch and both
-    norms of every layer (and the final norm) are gone, the rotary GEMV stands in for the
-    q/k/v GEMV, and only the first norm is left (the embedding's, which no GEMV comes before):
-    three launches fewer a layer. The logits: within rounding (a norm's sum of squares is
-    added in other pieces)."""
+    norms of every layer are gone, the rotary GEMV stands in for the q/k/v GEMV, and two
+    norms are left: the embedding's, which no GEMV comes before, and the final one (a head
+    folded with its weight would copy the tied embedding): three launches fewer a layer, one
+    more a step. The logits: within rounding (a norm's sum of squares is added in other
+    pieces, its weight rounded into the next weights)."""
     from kernels import launch as course_launch
     from kernels import llm
     from kernels.llm import speed
@@ -349,8 +374,8 @@ def test_the_three_epilogues_remove_three_launches_a_layer(monkeypatch):
     before, after = launches["SwiGLU's alone"], launches["epilogues"]
     assert before["rotary_kv_kernel"] == layers and after["rotary_kv_kernel"] == 0
     assert after["rotary_gemv_kernel"] == layers
-    assert before["rms_norm_fwd_kernel"] == 2 * layers + 1 and after["rms_norm_fwd_kernel"] == 1
-    assert after.total() == before.total() - 3 * layers
+    assert before["rms_norm_fwd_kernel"] == 2 * layers + 1 and after["rms_norm_fwd_kernel"] == 2
+    assert after.total() == before.total() - 3 * layers + 1
     torch.testing.assert_close(logits["epilogues"], logits["SwiGLU's alone"], atol=1e-4, rtol=1e-4)
 
 

@@ -16,7 +16,7 @@ dynamic-batching server needs).
 The residual adds are fused into the norms that follow them (ops.add_rms_norm): a block hands
 the next one its stream x and the delta it has not added yet (or, with Block.norm_in_epilogue,
 the stream formed in its last GEMV's epilogue and its rows' sums of squares in pieces:
-Squares, which the next GEMV normalizes it by as it loads it).
+Squares, by which the next GEMV, its weight folded with the norm's, scales its product's rows).
 """
 
 import contextlib
@@ -76,22 +76,29 @@ def project(x, linear: nn.Linear, backend):
     return ops.linear(x, linear.weight, backend, getattr(linear, "scale", None))
 
 
-def fused_weight(block: nn.Module, names: tuple[str, ...], half: int = 0):
+def fused_weight(block: nn.Module, names: tuple[str, ...], half: int = 0, fold=None):
     """The weights (and int8 scales) of `names` stacked along their output rows: one GEMV
     reads them all (q, k and v; gate and up); `half` > 0: with rows i and i + half of every
     2 half rows side by side (decode.pair_halves: gate beside up for decode.swiglu_gemv, each
-    head's rotary pairs for decode.rotary_gemv). Built on first use and kept on the block,
-    rebuilt when a weight is replaced (kernels.llm.quant, a load)."""
+    head's rotary pairs for decode.rotary_gemv); `fold`: the weight of the norm before them
+    folded into the columns (decode.fold_norm, for a GEMV that normalizes by sums of
+    squares). Built on first use and kept on the block, rebuilt when a weight is replaced
+    (kernels.llm.quant, a load)."""
     linears = [getattr(block, n) for n in names]
-    key = tuple((lin.weight.data_ptr(), lin.weight.dtype) for lin in linears)
+    key = tuple(
+        (t.data_ptr(), t.dtype) for t in [lin.weight for lin in linears] + [fold] if t is not None
+    )
     kept = block.__dict__.setdefault("_fused", {})
-    if kept.get((names, half), (None,))[0] != key:
+    which = (names, half, fold is not None)
+    if kept.get(which, (None,))[0] != key:
         stack = lambda *ts: decode.pair_halves(torch.cat(ts), half) if half else torch.cat(ts)
         weight = stack(*[lin.weight.detach() for lin in linears])
         scales = [getattr(lin, "scale", None) for lin in linears]
         scale = None if scales[0] is None else stack(*scales)
-        kept[(names, half)] = (key, weight, scale)
-    return kept[(names, half)][1:]
+        if fold is not None:
+            weight, scale = decode.fold_norm(weight, fold.detach(), scale)
+        kept[which] = (key, weight, scale)
+    return kept[which][1:]
 
 
 def fused_project(x, block, names):
@@ -102,8 +109,8 @@ def fused_project(x, block, names):
 class Squares(NamedTuple):
     """Passed where the residual's delta would be: the residual add was formed in the epilogue
     of the GEMV before (decode.linear_add), so x is the whole stream, and `squares` holds its
-    rows' sums of squares in pieces (B * S, pieces), from which the GEMV after the norm
-    normalizes x as it loads it (decode.check_norm's `norm`)."""
+    rows' sums of squares in pieces (B * S, pieces), by which the GEMV after the norm, its
+    weight folded with the norm's, scales its product's rows (decode.check_norm's `norm`)."""
 
     squares: torch.Tensor
 
@@ -142,21 +149,25 @@ class Block(nn.Module):
     # The residual add and RMSNorm after wo and after w_down split between two GEMVs, for a
     # decoding step's rows: the one before adds the residual in its epilogue and stores each
     # column tile's sum of squares of its part of the row (decode.linear_add); the one after
-    # (the MLP's gate and up, the next block's q/k/v, or the head) adds a row's few pieces for
-    # its 1 / rms and normalizes its input as it loads it (`norm`). Both add_rms_norm launches
-    # of a layer removed, nothing recomputed, no program waiting for another. A first version,
+    # (the MLP's gate and up, or the next block's q/k/v) reads a weight with the norm's weight
+    # folded into its columns (decode.fold_norm), loads its input as it is and scales each row
+    # of its product by the row's 1 / rms, from the row's few pieces (`norm`). Both
+    # add_rms_norm launches of a layer removed, nothing recomputed, no program waiting for
+    # another; the final norm stays a kernel (a head folded with it would copy the tied
+    # embedding). A first version,
     # the whole norm done by the last column tile of a row to finish (an arrival counter), was
     # slower than the norm's own kernel on an H100 (torch 2.11, triton 3.6, 2026-12-07; a step
     # in a CUDA graph): SmolLM2's shapes 0.717-0.718 ms against 0.691-0.695, the llama-1b
-    # shape 1.322-1.323 against 1.258-1.259. This one lost too (H100, the same versions,
+    # shape 1.322-1.323 against 1.258-1.259. The second, which normalized each tile of its
+    # input as it loaded it (its weight not folded), lost too (H100, the same versions,
     # 2026-12-07, two rounds): SmolLM2's shapes 0.706-0.709 ms against 0.654-0.681, the
-    # llama-1b shape 2.268-2.271 against 1.224-1.226. Timed alone at SmolLM2's shapes, a GEMV
-    # that normalizes by the squares took 4.31-4.33 us where the plain one took 2.73-2.79 (the
-    # norm kernel it replaces, 1.26-1.30); at the 1B shape's w_down (2048 x 8192) linear_add
-    # took 42.0 us against the GEMV's 10.8: the plain plan's nine pieces of K are too many to
-    # sum in the kernel, so it runs in one piece, 16 programs for 32 MB. Off; kept, with its
-    # tests, to be measured again. Not with tensor parallelism (the partial outputs are summed
-    # across ranks before the add).
+    # llama-1b shape 2.268-2.271 against 1.224-1.226. Timed alone at SmolLM2's shapes, that
+    # GEMV took 4.31-4.33 us where the plain one took 2.73-2.79 (the norm kernel it replaces,
+    # 1.26-1.30): hence the folded weight, which leaves the plain GEMV's loop. At the 1B
+    # shape's w_down (2048 x 8192) linear_add took 42.0 us against the GEMV's 10.8: the plain
+    # plan's nine pieces of K were too many to sum in the kernel, so it ran in one piece, 16
+    # programs for 32 MB; now in eight. Off until this one has been timed. Not with tensor
+    # parallelism (the partial outputs are summed across ranks before the add).
     norm_in_epilogue = False
 
     def __init__(self, c: ModelConfig):
@@ -205,7 +216,7 @@ class Block(nn.Module):
                                      c.n_heads, c.n_kv_heads)  # (B, H, S, hd) # fmt: skip
             else:  # one stack of q/k/v, its rotary pairs side by side
                 h, x, norm_in = self._norm_input(x, delta, self.attn_norm, backend)
-                weight, scale = fused_weight(self, names, half)
+                weight, scale = fused_weight(self, names, half, folded(self.attn_norm, norm_in))
                 if S == 1 and B <= gemv.MAX_ROWS:  # a decoding step: rotary in the epilogue
                     q = decode.rotary_gemv(h.reshape(B, -1), weight, cos, sin, k_cache, v_cache,
                                            rows, pos, c.n_heads, c.n_kv_heads, scale,
@@ -247,7 +258,7 @@ class Block(nn.Module):
         names = ("w_gate", "w_up")
         if self.swiglu_in_epilogue:
             h, x, norm_in = self._norm_input(x, attended, self.mlp_norm, backend)
-            weight, scale = fused_weight(self, names, half=c.d_ff)
+            weight, scale = fused_weight(self, names, c.d_ff, folded(self.mlp_norm, norm_in))
             h2 = h.reshape(B * S, -1)
             if B * S <= gemv.MAX_ROWS:
                 act = decode.swiglu_gemv(h2, weight, scale, norm=norm_in)
@@ -284,22 +295,23 @@ class Block(nn.Module):
 
     def _norm_input(self, x, delta, norm, backend):
         """(h, x + delta, norm_in): the input of the GEMV after `norm`, and the stream. Where
-        delta is Squares, h is the stream itself and norm_in the (squares, weight, eps) by
-        which that GEMV normalizes it as it loads it (decode.check_norm); else h is normalized
-        here and norm_in is None."""
+        delta is Squares, h is the stream itself and norm_in the (squares, eps) by which that
+        GEMV, its weight folded with the norm's (`folded`), normalizes its product
+        (decode.check_norm); else h is normalized here and norm_in is None."""
         if isinstance(delta, Squares):
-            return x, x, (delta.squares, norm.weight, self.c.norm_eps)
+            return x, x, (delta.squares, self.c.norm_eps)
         h, x = self._norm(x, delta, norm, backend)
         return h, x, None
 
     def _normed_project(self, x, delta, norm, names, in_gemv, backend):
         """(the fused projection `names` of rms_norm(x + delta), x + delta) (B, S, .): in one
         kernel (kernels.decode.norm_linear) where `in_gemv` and there is a delta to add, or
-        (Squares) the GEMV normalizing x as it loads it, else the norm's kernel, then the GEMV."""
+        (Squares) the GEMV scaling its rows by their 1 / rms, else the norm's kernel, then the
+        GEMV."""
         B, S, D = x.shape
         if isinstance(delta, Squares):
             h, x, norm_in = self._norm_input(x, delta, norm, backend)
-            weight, scale = fused_weight(self, names)
+            weight, scale = fused_weight(self, names, fold=norm.weight)
             y = normed_linear(h.reshape(B * S, D), weight, scale, norm_in, backend)
             return y.view(B, S, -1), x
         if not in_gemv or delta is None:
@@ -449,11 +461,9 @@ class Transformer(nn.Module):
             head, scale = self.head_int8, self.head_scale
         B, S, D = x.shape
         eps = self.config.norm_eps
-        if isinstance(delta, Squares):  # the head normalizes the stream as it loads it
-            norm_in = (delta.squares, self.norm.weight, eps)
-            return normed_linear(x.reshape(B * S, D), head, scale, norm_in, self.backend).view(
-                B, S, -1
-            )
+        if isinstance(delta, Squares):  # x is the stream: the last norm in its own kernel (a
+            # head folded with its weight would be a copy of the tied embedding)
+            return ops.linear(self.norm(x, self.backend), head, self.backend, scale)
         if delta is not None and norms_in_gemvs(self.backend, B * S, D):
             rows = (delta.reshape(B * S, D), x.reshape(B * S, D))
             logits, _ = decode.norm_linear(*rows, self.norm.weight, eps, head, scale, False)
@@ -491,9 +501,16 @@ def norm_after_fits(block: Block, rows: int) -> bool:
     return block.norm_in_epilogue and rows <= gemv.MAX_ROWS
 
 
+def folded(norm, norm_in):
+    """The norm's weight where the GEMV after it takes its input's sums of squares (norm_in,
+    Block._norm_input's): its weights are folded with it (fused_weight's `fold`); else None."""
+    return None if norm_in is None else norm.weight
+
+
 def normed_linear(h, weight, scale, norm_in, backend):
-    """h (rows, K) @ weight.T on `backend`; where norm_in (Block._norm_input's), h normalized
-    on the way in by its rows' sums of squares (decode.squares_linear)."""
+    """h (rows, K) @ weight.T on `backend`; where norm_in (Block._norm_input's), the rows of
+    the product scaled by h's 1 / rms from its sums of squares, the weight folded with the
+    norm's (decode.squares_linear)."""
     if norm_in is None:
         return ops.linear(h, weight, backend, scale)
     return decode.squares_linear(h, *norm_in, weight, scale)
