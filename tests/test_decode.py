@@ -283,8 +283,8 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypat
     own kernel, inside the down GEMV or in the gate-and-up GEMV's epilogue; rotary and the
     cache writes in the q/k/v GEMV's epilogue; the residual adds in wo's and w_down's
     epilogues, with the sums of squares by which the GEMVs after them normalize; "all
-    epilogues": the last three at once; "as it is": the model's own choice, SwiGLU and rotary
-    in their epilogues) gives the logits of the layer-by-layer path
+    epilogues": the last three at once; "as it is": the model's own choice, the three
+    epilogues) gives the logits of the layer-by-layer path
     (torch's backend, same weights), token by token over a prefill and two decode steps, with
     rows at different positions too."""
     from kernels import llm
@@ -295,7 +295,7 @@ def test_the_fused_model_path_matches_the_unfused_one(weights, fusion, monkeypat
              "norm_in_epilogue")  # fmt: skip
     defaults = [getattr(Block, name) for name in names]
     if fusion == "as it is":
-        assert defaults == [False, False, True, True, False]
+        assert defaults == [False, False, True, True, True]
         _tiny_model_both_ways(model, weights, monkeypatch)
         return
     switches = {"separate": {}, "all epilogues": dict.fromkeys(names[2:], True)}

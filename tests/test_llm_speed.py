@@ -195,7 +195,7 @@ def test_decode_step_rows_rate_a_step_against_its_speed_of_light(monkeypatch):
     """bench decode's step rows at the tiny config: GB/s of the step's bytes (so % of copy is %
     of the speed-of-light line), torch's ops, the kernels without dependent launch, with
     SwiGLU's product in a kernel of its own, with rotary in a kernel of its own and with the
-    norms by sums of squares too as baselines of bf16, bf16 as int8's."""
+    norms in kernels of their own as baselines of bf16, bf16 as int8's."""
     from kernels import bench, runtime
     from kernels.benchmarks import decode
 
@@ -211,7 +211,7 @@ def test_decode_step_rows_rate_a_step_against_its_speed_of_light(monkeypatch):
         "without dependent launch",
         "SwiGLU in a kernel of its own",
         "rotary in a kernel of its own",
-        "the norms by sums of squares too",
+        "the norms in kernels of their own",
     }
     assert set(q8["baselines"]) == {"bf16", "torch's ops bf16"}
     expected = speed.step_bytes("tiny", 2, 512) / bf16["ms"] / 1e6

@@ -166,9 +166,16 @@ class Block(nn.Module):
     # 1.26-1.30): hence the folded weight, which leaves the plain GEMV's loop. At the 1B
     # shape's w_down (2048 x 8192) linear_add took 42.0 us against the GEMV's 10.8: the plain
     # plan's nine pieces of K were too many to sum in the kernel, so it ran in one piece, 16
-    # programs for 32 MB; now in eight. Off until this one has been timed. Not with tensor
-    # parallelism (the partial outputs are summed across ranks before the add).
-    norm_in_epilogue = False
+    # programs for 32 MB; now in eight. This one, the third, is on: on an H100 (the same
+    # versions, 2026-12-07, three interleaved rounds of 300 steps) SmolLM2's shapes took
+    # 0.604-0.615 ms a step against 0.666-0.683 with the norms' kernels, and the llama-1b shape
+    # 1.226-1.231 against 1.228-1.229, the same; alone, the GEMV after took 3.53-3.54 us where
+    # the plain one took 3.02-3.32. Five of the course's kernels a layer. The logits are not
+    # the same bits (g rounded into the weights, the normalized input never rounded): with
+    # random weights in bf16, at most 0.077 apart where they reach 2.1 (SmolLM2's shapes), the
+    # same argmax. Not with tensor parallelism (the partial outputs are summed across ranks
+    # before the add).
+    norm_in_epilogue = True
 
     def __init__(self, c: ModelConfig):
         super().__init__()
