@@ -427,6 +427,30 @@ def _tiny_model_both_ways(model, weights, monkeypatch):
     assert len(after) == (6 * layers if Block.norm_in_epilogue else 0)
 
 
+def test_the_stacked_weights_follow_weights_changed_in_place():
+    """The fused path's stacks (norm weights folded in) are rebuilt when a weight they were
+    built from changes in place, as load_state_dict changes it: the tiny model's decoding
+    step then matches torch's backend with the new weights, not the stacks of the old."""
+    from kernels import llm
+
+    model = llm.load_model("tiny", device=DEVICE, backend="kernels")
+    reference = llm.load_model("tiny", device=DEVICE, backend="torch")
+    tokens = torch.randint(0, model.config.vocab_size, (1, 4), device=DEVICE)
+
+    def step(m):  # a prefill, then one decoding step (the fused GEMVs' rows)
+        cache = m.new_cache(1, 8)
+        nxt = m(tokens, cache, input_pos=0)[:, -1:].argmax(-1)
+        return m(nxt, cache, input_pos=4)
+
+    with torch.no_grad():
+        step(model)  # the stacks built from the first weights
+        changed = {k: v * 1.5 if "norm" in k or "wq" in k else v
+                   for k, v in model.state_dict().items()}  # fmt: skip
+        model.load_state_dict(changed)  # in place: the same storage
+        reference.load_state_dict(changed)
+        torch.testing.assert_close(step(model), step(reference), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 33, 70), (3, 64, 200), (17, 5, 31)], ids=str)
 @pytest.mark.parametrize("weights", ["float", "int8"])

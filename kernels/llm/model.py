@@ -83,10 +83,13 @@ def fused_weight(block: nn.Module, names: tuple[str, ...], half: int = 0, fold=N
     head's rotary pairs for decode.rotary_gemv); `fold`: the weight of the norm before them
     folded into the columns (decode.fold_norm, for a GEMV that normalizes by sums of
     squares). Built on first use and kept on the block, rebuilt when a weight is replaced
-    (kernels.llm.quant, a load)."""
+    (kernels.llm.quant) or changed in place (load_state_dict: its version counter moves;
+    tensors made under inference_mode have none)."""
     linears = [getattr(block, n) for n in names]
     key = tuple(
-        (t.data_ptr(), t.dtype) for t in [lin.weight for lin in linears] + [fold] if t is not None
+        (t.data_ptr(), t.dtype, 0 if t.is_inference() else t._version)
+        for t in [lin.weight for lin in linears] + [fold]
+        if t is not None
     )
     kept = block.__dict__.setdefault("_fused", {})
     which = (names, half, fold is not None)
