@@ -154,37 +154,36 @@ class Block(nn.Module):
     # column tile's sum of squares of its part of the row (decode.linear_add); the one after
     # (the MLP's gate and up, or the next block's q/k/v) reads a weight with the norm's weight
     # folded into its columns (decode.fold_norm), loads its input as it is and scales each row
-    # of its product by the row's 1 / rms, from the row's few pieces (`norm`). Both
-    # add_rms_norm launches of a layer removed, nothing recomputed, no program waiting for
-    # another; the final norm stays a kernel (a head folded with it would copy the tied
-    # embedding). A first version,
-    # the whole norm done by the last column tile of a row to finish (an arrival counter), was
-    # slower than the norm's own kernel on an H100 (torch 2.11, triton 3.6, 2026-12-07; a step
-    # in a CUDA graph): SmolLM2's shapes 0.717-0.718 ms against 0.691-0.695, the llama-1b
-    # shape 1.322-1.323 against 1.258-1.259. The second, which normalized each tile of its
-    # input as it loaded it (its weight not folded), lost too (H100, the same versions,
-    # 2026-12-07, two rounds): SmolLM2's shapes 0.706-0.709 ms against 0.654-0.681, the
-    # llama-1b shape 2.268-2.271 against 1.224-1.226. Timed alone at SmolLM2's shapes, that
-    # GEMV took 4.31-4.33 us where the plain one took 2.73-2.79 (the norm kernel it replaces,
-    # 1.26-1.30): hence the folded weight, which leaves the plain GEMV's loop. At the 1B
-    # shape's w_down (2048 x 8192) linear_add took 42.0 us against the GEMV's 10.8: the plain
-    # plan's nine pieces of K were too many to sum in the kernel, so it ran in one piece, 16
-    # programs for 32 MB; now in eight. This one, the third, is on: on an H100 (the same
-    # versions, 2026-12-07, three interleaved rounds of 300 steps) SmolLM2's shapes took
-    # 0.604-0.615 ms a step against 0.666-0.683 with the norms' kernels, and the llama-1b shape
-    # 1.226-1.231 against 1.228-1.229, the same; alone, the GEMV after took 3.53-3.54 us where
-    # the plain one took 3.02-3.32; in `bench decode` on an H100 (2026-12-07) SmolLM2's step
-    # took 0.596 ms (15.6% of its line at that GPU's copy bandwidth) against 0.678 with the
-    # norms' kernels, the 1B shape 1.219 against 1.240. Five of the course's kernels a layer.
-    # The logits are not the same bits (g rounded into the weights, the normalized input
-    # never rounded): with random weights in bf16, at most 0.077 apart where they reach 2.1
-    # (SmolLM2's shapes), the same argmax. The real SmolLM2 on an H100, against torch's ops
-    # in fp32, three prompts of 48 greedy tokens: in fp32 the same tokens, logits within
-    # 2e-4; in bf16 its last step's logits off by at most 0.22-0.40 (they reach 20-41),
-    # where the norms' kernels gave 0.24-0.38, and the tokens the same for one prompt with
-    # both, parted at the first token (at none with the norms' kernels) and at the 25th (the
-    # 45th) for the others: bf16's near-ties, which either path can tip. Not with tensor
-    # parallelism (the partial outputs are summed across ranks before the add).
+    # of its product by the row's 1 / rms, from the row's few pieces (`norm`). Both add_rms_norm
+    # launches of a layer removed, nothing recomputed, no program waiting for another; the final
+    # norm stays a kernel (a head folded with it would copy the tied embedding). A first
+    # version, the whole norm done by the last column tile of a row to finish (an arrival
+    # counter), was slower than the norm's own kernel on an H100 (torch 2.11, triton 3.6,
+    # 2026-12-07; a step in a CUDA graph): SmolLM2's shapes 0.717-0.718 ms against 0.691-0.695,
+    # the llama-1b shape 1.322-1.323 against 1.258-1.259. The second, which normalized each tile
+    # of its input as it loaded it (its weight not folded), lost too (H100, the same versions,
+    # 2026-12-07, two rounds): SmolLM2's shapes 0.706-0.709 ms against 0.654-0.681, the llama-1b
+    # shape 2.268-2.271 against 1.224-1.226. Timed alone at SmolLM2's shapes, that GEMV took
+    # 4.31-4.33 us where the plain one took 2.73-2.79 (the norm kernel it replaces, 1.26-1.30):
+    # hence the folded weight, which leaves the plain GEMV's loop. At the 1B shape's w_down
+    # (2048 x 8192) linear_add took 42.0 us against the GEMV's 10.8: the plain plan's nine
+    # pieces of K were too many to sum in the kernel, so it ran in one piece, 16 programs for 32
+    # MB; now in eight. This one, the third, is on: on an H100 (the same versions, 2026-12-07,
+    # three interleaved rounds of 300 steps) SmolLM2's shapes took 0.604-0.615 ms a step against
+    # 0.666-0.683 with the norms' kernels, and the llama-1b shape 1.226-1.231 against
+    # 1.228-1.229, the same; alone, the GEMV after took 3.53-3.54 us where the plain one took
+    # 3.02-3.32; in `bench decode` on an H100 (2026-12-07) SmolLM2's step took 0.596 ms (15.6%
+    # of its line at that GPU's copy bandwidth) against 0.678 with the norms' kernels, the 1B
+    # shape 1.219 against 1.240. Five of the course's kernels a layer. The logits are not the
+    # same bits (g rounded into the weights, the normalized input never rounded): with random
+    # weights in bf16, at most 0.077 apart where they reach 2.1 (SmolLM2's shapes), the same
+    # argmax. The real SmolLM2 on an H100, against torch's ops in fp32, three prompts of 48
+    # greedy tokens: in fp32 the same tokens, logits within 2e-4; in bf16 its last step's logits
+    # off by at most 0.22-0.40 (they reach 20-41), where the norms' kernels gave 0.24-0.38, and
+    # the tokens the same for one prompt with both, parted at the first token (at none with the
+    # norms' kernels) and at the 25th (the 45th) for the others: bf16's near-ties, which either
+    # path can tip. Not with tensor parallelism (the partial outputs are summed across ranks
+    # before the add).
     norm_in_epilogue = True
 
     def __init__(self, c: ModelConfig):
