@@ -194,18 +194,19 @@ def rotary_gemv_kernel(
     a_ptr, b_ptr, out_ptr, part_ptr, scale_ptr, count_ptr, M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn,
     cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, pos_ptr,
-    stride_cb, stride_ch, stride_ct, H, HKV, sq_ptr, g_ptr, eps, n_squares,
-    NORM: tl.constexpr, ROW: tl.constexpr,  # NORM 3: a normalized by its squares (split_k's)
+    stride_cb, stride_ch, stride_ct, H, HKV, sq_ptr, eps, n_squares,
+    # NORM 3: the product's rows scaled by 1 / rms from a's squares at sq (split_k's)
+    NORM: tl.constexpr, ROW: tl.constexpr,
     HALF: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
-    # kernels.split_k's GEMV (its input normalized or not, never gated), then rotary_kv's
-    # work as its ending
+    # kernels.split_k's GEMV (its rows scaled by 1 / rms or not, its input never gated), then
+    # rotary_kv's work as its ending
     acc, rows, cols, split, tile, pieces = split_k.accumulate(
         a_ptr, b_ptr, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
-        sq_ptr, g_ptr, a_ptr, eps, n_squares, NORM, ROW, EVEN_K, INPUT_PRECISION, USE_DOT,
+        sq_ptr, a_ptr, a_ptr, eps, n_squares, NORM, ROW, EVEN_K, INPUT_PRECISION, USE_DOT,
         False, BLOCK_M, BLOCK_N, BLOCK_K, PDL, PREFETCH_ROWS, LINE,
     )  # fmt: skip
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -579,12 +580,12 @@ def check_norm(norm, x):
 
 
 def norm_arguments(squares, stand_in) -> tuple:
-    """A kernel's (sq_ptr, g_ptr, eps, n_squares) and its NORM and ROW keywords, for
-    check_norm's squares (or none: stand-ins, never read)."""
+    """A kernel's (sq_ptr, eps, n_squares) and its NORM and ROW keywords, for check_norm's
+    squares (or none: a stand-in, never read)."""
     if squares is None:
-        return (stand_in, stand_in, 0.0, 1), {"NORM": 0, "ROW": 1}
+        return (stand_in, 0.0, 1), {"NORM": 0, "ROW": 1}
     sq, eps = squares
-    return (sq, stand_in, eps, sq.shape[1]), {"NORM": 3, "ROW": next_power_of_2(sq.shape[1])}
+    return (sq, eps, sq.shape[1]), {"NORM": 3, "ROW": next_power_of_2(sq.shape[1])}
 
 
 def fold_norm(weight, norm_weight, scale=None):
@@ -633,8 +634,6 @@ def squares_linear(h, squares, eps: float, weight, scale=None):
         raise ValueError(f"squares_linear is for a decoding step's rows (M <= "
                          f"{gemv.MAX_ROWS}), got M = {h.shape[0]}: use kernels.norm.rms_norm, "
                          "then a matmul")  # fmt: skip
-    if h.shape[1] == 0:  # an empty sum: zeros, as the GEMV gives
-        return weight_gemv(h, weight, scale)
     return product(h, weight.t(), kind=kind, scale=scale, squares=norm)
 
 

@@ -16,9 +16,9 @@ and the cache): their % of copy is the % of the speed-of-light line. Against tor
 same graph, the course's kernels without dependent launch (kernels.runtime.PDL), with
 SwiGLU's product in a kernel of its own rather than the gate-and-up GEMV's epilogue, with
 rotary and the cache writes in a kernel of their own rather than the q/k/v GEMV's epilogue
-(decode.rotary_gemv), and with the residual adds in the epilogues of wo and w_down and the
-norms in the loads of the GEMVs after them too (decode.linear_add, which the model keeps off);
-int8 weights against bf16.
+(decode.rotary_gemv), and with the norms in kernels of their own rather than split between
+the GEMVs around them (decode.linear_add and the GEMVs after it): each of the model's three
+epilogues taken out in turn; int8 weights against bf16.
 Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape >= 65%, its int8 >=
 1.6x its bf16.
 """
