@@ -146,6 +146,19 @@ def test_a_big_input_is_described_in_one_place_and_made_by_the_child():
     assert torch.equal(made, child._materialize(spec, "cpu"))
 
 
+def test_lab_6s_timed_int8_weight_is_made_by_the_child_from_its_description():
+    from kernels.grader import lab06
+
+    (timed,) = [c for c in lab06._int8_gpu_cases(random.Random(0)) if c.action == "time"]
+    x, spec, scale = timed.args
+    assert (spec["kwargs"]["n"], spec["kwargs"]["k"]) == lab06.TIMED[1:]
+    assert timed.timed_against == "dense_weight"
+    small = {**spec, "kwargs": {**spec["kwargs"], "n": 5, "k": 7}}  # the builder, at a small size
+    made = child._materialize(small, "cpu")
+    assert made.dtype == torch.int8 and made.shape == (5, 7) and made.abs().max() <= 127
+    assert torch.equal(made, child._materialize(small, "cpu"))
+
+
 def test_the_child_keeps_a_strided_input_strided_on_its_device():
     view = cases.strided(torch.randn(4, 6))
     moved = child._on_device(view, "meta")  # any other device: the copy keeps the strides
@@ -217,8 +230,9 @@ def test_every_baseline_the_child_times_is_named_and_runs():
     q, k, v = (torch.randn(1, 2, n, 16) for n in (3, 5, 5))
     args = {"copy": (k,), "matmul": (k[0, 0], k[0, 0].t()), "kv": (q[:, :, 0], k, v)}
     args["attention"] = (k, k, v)
+    args["dense_weight"] = (q[0, 0], torch.ones(4, 16, dtype=torch.int8), torch.ones(4))
     for name, baseline in child.TIMED_AGAINST.items():
-        out = baseline(list(args[name]))
+        out = baseline(list(args[name]))()
         assert all(isinstance(t, torch.Tensor) for t in (out if isinstance(out, tuple) else [out]))
     with pytest.raises(ValueError, match="unknown baseline"):
         cases.timed((k,), "x", against="sdpa", min_fraction=1.0, why="")

@@ -111,6 +111,7 @@ BASELINES = {
     "matmul": "torch.matmul (cuBLAS)",
     "kv": "torch copying k and v",
     "attention": "torch's causal scaled_dot_product_attention",
+    "dense_weight": "torch's linear (cuBLAS) with the weight in x's dtype",
     "one_gpu": "the whole MLP on one GPU",
 }
 

@@ -5,7 +5,9 @@ grouped-query attention over a KV cache (the reference: kernels.attention.attent
 key/value heads repeated, in fp64); task 3 registers the lab's given Triton kernel as a PyTorch
 operator: the child runs torch.library.opcheck on it and one call under
 torch.compile(fullgraph=True) (any failure is the task's failure), and the grader checks that
-call's output; task 4 an int8 weight-only GEMV kernel against kernels.int8.linear_ref in fp64.
+call's output; task 4 an int8 weight-only GEMV kernel against kernels.int8.linear_ref in fp64,
+and task 5 the same kernel on a GPU: bf16 and fp16 values, then timed against cuBLAS's bf16
+matmul of the same shape.
 """
 
 import torch
@@ -31,6 +33,7 @@ COURSE_NAMES = frozenset(
         "sdpa_attention",
     }
 )
+MATMUL_OPS = frozenset({"matmul", "mm", "addmm", "linear", "__matmul__", "bmm"})
 SHAPES = (  # (n_layers, d_model, d_ff, n_heads, n_kv_heads, head_dim, vocab)
     (30, 576, 1536, 9, 3, 64, 49152), (16, 2048, 8192, 32, 8, 64, 128256),
     (2, 64, 128, 4, 2, 16, 256), (32, 4096, 14336, 32, 8, 128, 128256), (1, 8, 8, 1, 1, 2, 3),
@@ -119,21 +122,63 @@ def _quantized(shape, seed):
     return q.cpu(), scale.cpu()
 
 
+def _int8_case(rng, shape, dtype, strided=False):
+    """x (m, k) @ int8 (n, k).T against fp64; strided: x as every other element of a wider row."""
+    m, n, k = shape
+    x, seed = cases.draw(rng, (m, k), dtype)
+    q, scale = _quantized((n, k), seed + 1)
+    how = ", non-contiguous," if strided else ""
+    label = f"x ({m}, {k}){how} @ int8 ({n}, {k}).T, {cases.dtype_name(dtype)}, seed {seed}"
+    ref = int8.linear_ref(x.double(), q, scale.double())
+    x = cases.strided(x) if strided else x
+    return Case((x, q, scale), label=label, expected=ref, dtype=dtype)
+
+
 def _int8_cases(rng):
     drawn = []
-    for m, n, k in ((1, 129, 127), (1, 1000, 64), (3, 65, 300), (16, 33, 129)):
-        for dtype in (torch.float32, torch.float16):
-            x, seed = cases.draw(rng, (m, k), dtype)
-            q, scale = _quantized((n, k), seed + 1)
-            label = f"x ({m}, {k}) @ int8 ({n}, {k}).T, {cases.dtype_name(dtype)}, seed {seed}"
-            ref = int8.linear_ref(x.double(), q, scale.double())
-            drawn.append(Case((x, q, scale), label=label, expected=ref, dtype=dtype))
-    x, seed = cases.draw(rng, (3, 300), torch.float16)  # every other element of a wider row
-    q, scale = _quantized((65, 300), seed + 1)
-    label = f"x (3, 300), non-contiguous, @ int8 (65, 300).T, float16, seed {seed}"
-    ref = int8.linear_ref(x.double(), q, scale.double())
-    drawn.append(Case((cases.strided(x), q, scale), label=label, expected=ref, dtype=torch.float16))
-    return drawn
+    for shape in ((1, 129, 127), (1, 1000, 64), (3, 65, 300), (16, 33, 129)):
+        drawn += [_int8_case(rng, shape, dtype) for dtype in (torch.float32, torch.float16)]
+    return drawn + [_int8_case(rng, (3, 65, 300), torch.float16, strided=True)]
+
+
+# On a GPU: bf16 and fp16 values, then the speed of a decoding step's GEMV. TIMED's int8 weight
+# is 59 MB, half the bytes of the bf16 weight cuBLAS reads for the same product: a kernel that
+# streams its weight at more than half of cuBLAS's bandwidth is faster. The solution's kernel
+# (16 x 512 tiles, no tensor cores) is yet to be timed on the H200; the threshold is the one the
+# course sets for this kernel (faster than cuBLAS), not a fraction calibrated on the solution.
+TIMED = (1, 14336, 4096)  # (M, N, K): a llama MLP's gate projection at one token
+MIN_DENSE_FRACTION = 1.0
+GPU_SHAPES = ((1, 1000, 4096), (16, 257, 1000), (64, 129, 300), (1, 14336, 64))
+
+
+def timed_int8_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """The timed case's int8 weight (n, k), made in the child: too large to send."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(DEVICE)
+
+
+def _int8_gpu_cases(rng):
+    drawn = []
+    for dtype in (torch.bfloat16, torch.float16):
+        drawn += [_int8_case(rng, shape, dtype) for shape in GPU_SHAPES]
+    drawn.append(_int8_case(rng, (16, 257, 1000), torch.bfloat16, strided=True))
+    m, n, k = TIMED
+    seed = cases.new_seed(rng)
+    weight = {"builder": "kernels.grader.lab06:timed_int8_weight",
+              "kwargs": {"n": n, "k": k, "seed": seed}}  # fmt: skip
+    x, scale = (
+        cases.big_random(rng, (m, k), torch.bfloat16),
+        cases.big_random(rng, (n,), torch.float32),
+    )
+    timed = cases.timed(
+        (x, weight, scale),
+        f"x ({m}, {k}) @ int8 ({n}, {k}).T, bfloat16, timed",
+        against="dense_weight",
+        min_fraction=MIN_DENSE_FRACTION,
+        why="the int8 weight is half the bytes of the bfloat16 one cuBLAS reads",
+        rate=lambda ms: f"{n * k / (ms * 1e6):.0f} GB/s of int8 weight read",
+    )
+    return drawn + [timed]
 
 
 TASKS = [
@@ -179,7 +224,23 @@ TASKS = [
         hint="load an int8 tile, convert it to x's dtype, accumulate in fp32, scale once at the end",  # noqa: E501
         cases=_int8_cases,
         check=cases.values("matmul"),
-        forbidden_ops=frozenset({"matmul", "mm", "addmm", "linear", "__matmul__", "bmm"}),
+        forbidden_ops=MATMUL_OPS,
         forbidden_names=COURSE_NAMES,
+    ),
+    kernel_task(
+        name="int8_gemv_gpu",
+        function="int8_gemv",
+        points=2,
+        summary="on a GPU: bf16 and fp16 values, and faster than cuBLAS's bf16 matmul at "
+        f"M = {TIMED[0]}, N = {TIMED[1]}, K = {TIMED[2]}",
+        hint="many programs in flight (a narrow BLOCK_N) each loading long rows (a deep "
+        "BLOCK_K): 16 x 512 int8 is 8 KB a load",
+        cases=_int8_gpu_cases,
+        check=cases.values("matmul"),
+        forbidden_ops=MATMUL_OPS,
+        forbidden_names=COURSE_NAMES,
+        needs_gpu=True,
+        exclusive=True,
+        time_limit=180.0,  # compiles the kernel for each dtype, then times a 59 MB weight
     ),
 ]
