@@ -76,7 +76,6 @@ def _check_online_softmax(case: Case, out) -> str | None:
 # (B, H, Sq, Sk, D): one query row, odd lengths across the 16-row blocks, Sq < Sk (decoding).
 CPU_SHAPES = ((1, 1, 1, 1, 16), (1, 2, 17, 17, 16), (2, 1, 33, 33, 32), (1, 2, 5, 33, 32),
               (1, 1, 1, 17, 16), (1, 1, 16, 31, 32))  # fmt: skip
-GPU_SHAPES = ((2, 3, 257, 257, 64), (1, 2, 1, 1000, 128), (1, 4, 129, 300, 128))
 
 
 def _attention_case(rng, shape, dtype, causal, strided=False):
@@ -108,15 +107,6 @@ def _attention_cases(rng, causal):
         again=CPU_SHAPES[2],
         strided_spec=CPU_SHAPES[3],
     )
-
-
-def _attention_gpu_cases(rng):
-    drawn = []
-    for dtype in (torch.bfloat16, torch.float16):
-        for causal in (False, True):
-            drawn += [_attention_case(rng, shape, dtype, causal) for shape in GPU_SHAPES]
-        drawn.append(_attention_case(rng, GPU_SHAPES[2], dtype, True, strided=True))
-    return drawn
 
 
 # Task 3: a sliding window. Query i, at position p = i + Sk - Sq, sees keys p - window < j <= p.
