@@ -216,3 +216,34 @@ def test_decode_step_rows_rate_a_step_against_its_speed_of_light(monkeypatch):
     assert set(q8["baselines"]) == {"bf16", "torch's ops bf16"}
     expected = speed.step_bytes("tiny", 2, 512) / bf16["ms"] / 1e6
     assert bf16["rate"] == pytest.approx(expected)
+
+
+@pytest.mark.gpu
+def test_the_fusion_ladder_times_and_counts_every_rung_and_puts_the_model_back(tiny_here):
+    """speed.fusion_ladder at the tiny config: one entry per rung, in FUSION_LADDER's order,
+    each a positive time and a kernel count; the course's step launches fewer kernels than
+    torch's, and taking any of the three epilogues out launches more than the step as it is;
+    the model's backend and dependent launch as they were."""
+    from kernels import runtime
+    from kernels.llm.model import Block
+
+    tiny_here.backend = "torch"
+    pdl = runtime.PDL
+    switches = {
+        name: getattr(Block, name)
+        for name in ("swiglu_in_epilogue", "rotary_in_epilogue", "norm_in_epilogue")
+    }
+    ladder = speed.fusion_ladder(tiny_here, 1, 64, 3, counted=True)
+    assert list(ladder) == [label for label, *_ in speed.FUSION_LADDER]
+    assert all(r["ms"] > 0 and r["kernels"] > 0 for r in ladder.values())
+    fused = ladder["kernels"]["kernels"]
+    assert fused < ladder["torch's ops"]["kernels"]
+    assert ladder["without dependent launch"]["kernels"] == fused
+    for label in (
+        "SwiGLU in a kernel of its own",
+        "rotary in a kernel of its own",
+        "the norms in kernels of their own",
+    ):
+        assert ladder[label]["kernels"] > fused, label
+    assert tiny_here.backend == "torch" and runtime.PDL == pdl
+    assert {name: getattr(Block, name) for name in switches} == switches

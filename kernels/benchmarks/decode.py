@@ -23,8 +23,6 @@ Targets (issue 16): SmolLM2 bf16 >= 15% of its line, the llama-1b shape >= 65%, 
 1.6x its bf16.
 """
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -99,34 +97,17 @@ def bench_split_k(ceilings):
     ]
 
 
-# Baselines of the model's epilogues (SwiGLU's, rotary's, and the norms split between the
-# GEMVs around them): each taken out in turn, in a kernel of its own
-SWIGLU_APART = {"rotary_in_epilogue": True, "norm_in_epilogue": True}
-ROTARY_APART = {"swiglu_in_epilogue": True, "norm_in_epilogue": True}
-NORMS_APART = {"swiglu_in_epilogue": True, "rotary_in_epilogue": True}
-
-
 def bench_decode_steps(ceilings):
-    """A decoding step of each of STEP_MODELS, bf16 and int8, as the module says."""
-    from kernels import llm, runtime
+    """A decoding step of each of STEP_MODELS, bf16 (kernels.llm.speed.FUSION_LADDER's rungs
+    its baselines) and int8, as the module says."""
+    from kernels import llm
     from kernels.llm import quant, speed
 
     rows, T = [], STEP_CONTEXT
     for name in STEP_MODELS:
         model = llm.random_model(name, torch.bfloat16, DEVICE)
-        ms = {}
-        for backend, pdl, fused, label in (  # fused: None as the model has it
-            ("torch", True, None, "torch's ops"),
-            ("kernels", False, None, "without dependent launch"),
-            ("kernels", True, SWIGLU_APART, "SwiGLU in a kernel of its own"),
-            ("kernels", True, ROTARY_APART, "rotary in a kernel of its own"),
-            ("kernels", True, NORMS_APART, "the norms in kernels of their own"),
-            ("kernels", True, None, "kernels"),
-        ):
-            model.backend = backend
-            fusions = contextlib.nullcontext() if fused is None else llm.fusions(**fused)
-            with runtime.dependent_launch(pdl), fusions:
-                ms[label] = speed.graph_step_ms(model, 1, T, STEP_CALLS)
+        ms = {k: v["ms"] for k, v in speed.fusion_ladder(model, 1, T, STEP_CALLS).items()}
+        model.backend = "kernels"
         quant.quantize_int8(model)  # in place, the head included
         int8_ms = speed.graph_step_ms(model, 1, T, STEP_CALLS)
         step = f"decode step {name} B=1 T={T} [graph]"

@@ -241,6 +241,45 @@ def gpu_busy(step, steps: int, device) -> dict:
     return {"wall_us": wall_us, "busy_us": busy_us, "busy": busy_us / wall_us, "steps": steps}
 
 
+# What each part of the fused step buys, a rung at a time: (label, backend, dependent launch,
+# fusions: None as Block has them, else llm.fusions' switches). Each of Block's three
+# epilogues is taken out in turn (its work back in a kernel of its own), the other two kept.
+FUSION_LADDER = (
+    ("torch's ops", "torch", True, None),
+    ("without dependent launch", "kernels", False, None),
+    ("SwiGLU in a kernel of its own", "kernels", True,
+     {"rotary_in_epilogue": True, "norm_in_epilogue": True}),
+    ("rotary in a kernel of its own", "kernels", True,
+     {"swiglu_in_epilogue": True, "norm_in_epilogue": True}),
+    ("the norms in kernels of their own", "kernels", True,
+     {"swiglu_in_epilogue": True, "rotary_in_epilogue": True}),
+    ("kernels", "kernels", True, None),
+)  # fmt: skip
+
+
+def fusion_ladder(model, batch: int, context: int, steps: int, counted: bool = False) -> dict:
+    """{label: {"ms": a step replayed from a CUDA graph[, "kernels": what one step launches]}}
+    for each rung of FUSION_LADDER, the model's backend as it was after. GPU only."""
+    import contextlib
+
+    from kernels import runtime
+    from kernels.llm.model import fusions
+
+    saved, out = model.backend, {}
+    try:
+        for label, backend, pdl, fused in FUSION_LADDER:
+            model.backend = backend
+            switches = contextlib.nullcontext() if fused is None else fusions(**fused)
+            with runtime.dependent_launch(pdl), switches:  # a graph keeps what it captured
+                out[label] = {"ms": graph_step_ms(model, batch, context, steps)}
+                if counted:
+                    step, _, _ = decode_step(model, batch, context)
+                    out[label]["kernels"] = kernels_per_step(step, "cuda")["kernels"]
+    finally:
+        model.backend = saved
+    return out
+
+
 def batch_sweep(model, batches, context: int, steps: int, timer=None) -> list:
     """ms per step and tokens/s at each batch size, decoding at `context`; timer(model, batch,
     context, steps) defaults to graph_step_ms on a GPU, eager steps on a CPU."""
