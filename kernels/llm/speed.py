@@ -11,14 +11,16 @@ Timed steps decode at one fixed position (T - 1 of a cache of T): every step the
 work, as the T-th step of a real decode does, and a CUDA graph captured once replays it.
 """
 
+import contextlib
 import time
 
 import torch
 
-from kernels import decode, int8
+from kernels import decode, int8, runtime
 from kernels.bench import rotating_copies
 from kernels.llm import ops
 from kernels.llm.config import ModelConfig, get_config
+from kernels.llm.model import fusions
 
 # --- napkin math: bytes and FLOPs of one decoding step
 
@@ -260,11 +262,6 @@ FUSION_LADDER = (
 def fusion_ladder(model, batch: int, context: int, steps: int, counted: bool = False) -> dict:
     """{label: {"ms": a step replayed from a CUDA graph[, "kernels": what one step launches]}}
     for each rung of FUSION_LADDER, the model's backend as it was after. GPU only."""
-    import contextlib
-
-    from kernels import runtime
-    from kernels.llm.model import fusions
-
     saved, out = model.backend, {}
     try:
         for label, backend, pdl, fused in FUSION_LADDER:
