@@ -61,7 +61,9 @@ KERNEL_CASES = {
         "poly",
         [(END, "    return torch.empty_like(out)\n    ### END SOLUTION")],
     ),
-    "wrong_values": ("poly", [("y = y * x + tl.load", "y = y * x * 0.98 + tl.load")]),
+    # wrong by at least 0.0075 for any x (0.01 * (x^2 + x + 1) at degree 3), so the first case
+    # fails whatever the seed (a scale, 0.98 * x, is right where x is near 0)
+    "wrong_values": ("poly", [("y = y * x + tl.load", "y = y * x + 0.01 + tl.load")]),
     # flat indexing of a strided view reads the wrong memory; a transposed view hid this
     "no_contiguous": ("poly", [(CONTIGUOUS, "")]),
 }
