@@ -136,9 +136,12 @@ class Block(nn.Module):
     # against 0.748, 0.714 against 0.721: faster in every run; the llama-1b shape 1.263 against
     # 1.292, 1.274 against 1.229, 1.265 against 1.215: faster once, 4% slower twice, where the
     # silu_mul path alone spread over 6% between processes (both paths share one tuned plan in
-    # a process: the tuner's key has no activation). On for the chapter's model; the 1B
-    # shape's loss not explained. Where it is on, the MLP's norm is not inside the gate-and-up
-    # GEMV, whatever norm_in_gemv says (norm_in_epilogue may put it in wo's).
+    # a process: the tuner's key has no activation). With every other fusion on, `bench decode`
+    # on an H100 (the same versions, 2026-12-07, speed.fusion_ladder): SmolLM2's shapes 0.583
+    # ms against 0.630 with silu_mul, the llama-1b shape 1.218 against 1.187, slower a third
+    # time. On for the chapter's model; the 1B shape's loss not explained. Where it is on, the
+    # MLP's norm is not inside the gate-and-up GEMV, whatever norm_in_gemv says
+    # (norm_in_epilogue may put it in wo's).
     swiglu_in_epilogue = True
     # Rotary, and the new keys and values written into the cache, in the q/k/v GEMV's epilogue
     # (decode.rotary_gemv: each head's rows i and i + hd/2 side by side, so a tile holds both
