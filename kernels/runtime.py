@@ -83,7 +83,10 @@ def _interpreter_scalars_as_index() -> None:
 
 
 if INTERPRET:
+    from . import bounds
+
     _interpreter_scalars_as_index()
+    bounds.install()  # an access past a tensor: a clear error, not a crash (kernels.bounds)
 
 
 def pick(cpu, gpu):
