@@ -87,3 +87,11 @@ def test_an_atomic_past_the_end_is_stopped():
     assert count.tolist() == [0, 0, 0, 1]
     with pytest.raises(Exception, match="an atomic past the end of count_ptr: element 4"):
         _count[(1,)](count, 4)
+
+
+def test_tensors_passed_by_keyword_are_known_by_their_names():
+    x, out = torch.randn(3), torch.empty(3)
+    with pytest.raises(Exception, match=r"tl\.store past the end of out_ptr: element 3"):
+        _double[(1,)](x_ptr=torch.randn(8), out_ptr=out, n=3, shift=0, BLOCK=8, MASKED=False)
+    _double[(1,)](x, out_ptr=out, n=3, shift=0, BLOCK=8, MASKED=True)
+    assert torch.equal(out, x * 2)
