@@ -229,6 +229,12 @@ def test_a_crash_names_its_signal(tmp_path):
     assert signal.SIGSEGV  # the name comes from the signal module
 
 
+def test_a_child_killed_from_outside_is_asked_about_memory(tmp_path):
+    body = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"
+    run = runner.run_child(script(tmp_path, body), tmp_path, 10)
+    assert "crashed (signal SIGKILL; out of memory?)" in run.failure
+
+
 def _run(report: dict) -> runner.ChildRun:
     return runner.ChildRun({"cases": [report], "error": None}, None, "done", "")
 

@@ -156,7 +156,10 @@ def run_child(
                 name = signal.Signals(-rc).name
             except ValueError:
                 name = str(-rc)
-            why = f"crashed (signal {name}; an out-of-bounds access in a kernel?)"
+            # not an out-of-bounds access: the interpreter stops those first (kernels.bounds),
+            # and on a GPU they are CUDA errors; SIGKILL from outside is most often the OOM killer
+            hint = "; out of memory?" if name == "SIGKILL" else ""
+            why = f"crashed (signal {name}{hint})"
         else:
             why = f"exited with status {rc} before returning a result (exit() or os._exit?)"
         return ChildRun(None, why, phase, output, crash_line)
