@@ -13,9 +13,11 @@ how far outside it the access went.
 import numpy as np
 from triton.runtime import interpreter
 
-# (name, first byte, one past the last byte) of each tensor argument's storage in the launch
-# running now; the interpreter runs one launch at a time.
-_ARGUMENTS: list[tuple[str, int, int]] = []
+# The storages of the tensor arguments of the launch running now (the interpreter runs one at a
+# time), sorted by address: each one's argument name, first byte and one past its last byte.
+_NAMES: list[str] = []
+_STARTS = np.zeros(0, dtype=np.int64)
+_ENDS = np.zeros(0, dtype=np.int64)
 
 
 def _tensors(name, value):
@@ -30,7 +32,9 @@ def _tensors(name, value):
 
 
 def _record(arg_names, args, kwargs) -> None:
-    """Keep the storages the launch may touch: a view may reach all of its storage."""
+    """Keep the storages the launch may touch (a view may reach all of its storage), once per
+    launch: every access of the launch is checked against them."""
+    global _NAMES, _STARTS, _ENDS
     named = [*zip(arg_names, args, strict=False), *kwargs.items()]  # fewer args: keywords
     spans = {}
     for name, value in named:
@@ -39,19 +43,22 @@ def _record(arg_names, args, kwargs) -> None:
             start = storage.data_ptr()
             if start and start not in spans:
                 spans[start] = (label, start, start + storage.nbytes())
-    _ARGUMENTS[:] = sorted(spans.values(), key=lambda span: span[1])
+    ordered = sorted(spans.values(), key=lambda span: span[1])
+    _NAMES = [span[0] for span in ordered]
+    _STARTS = np.array([span[1] for span in ordered], dtype=np.int64)
+    _ENDS = np.array([span[2] for span in ordered], dtype=np.int64)
 
 
-def _nearest(address: int):
+def _nearest(address: int) -> int:
     """The argument whose storage lies closest to `address` (before it or after it), for an
     access with no element inside any argument."""
-    return min(_ARGUMENTS, key=lambda s: s[1] - address if address < s[1] else address - s[2])
+    return int(np.argmin(np.where(address < _STARTS, _STARTS - address, address - _ENDS)))
 
 
 def check(operation: str, pointers, mask, element_bytes: int) -> None:
     """Raise IndexError if an element that `mask` lets through lies outside the tensor argument
     the access reaches into."""
-    if not _ARGUMENTS:
+    if not _NAMES:
         return
     addresses = np.asarray(pointers, dtype=np.uint64)
     if mask is not None:
@@ -59,10 +66,8 @@ def check(operation: str, pointers, mask, element_bytes: int) -> None:
     addresses = addresses.reshape(-1).astype(np.int64)
     if addresses.size == 0:
         return
-    starts = np.array([span[1] for span in _ARGUMENTS], dtype=np.int64)
-    ends = np.array([span[2] for span in _ARGUMENTS], dtype=np.int64)
-    owner = np.searchsorted(starts, addresses, side="right") - 1
-    inside = (owner >= 0) & (addresses + element_bytes <= ends[np.maximum(owner, 0)])
+    owner = np.searchsorted(_STARTS, addresses, side="right") - 1
+    inside = (owner >= 0) & (addresses + element_bytes <= _ENDS[np.maximum(owner, 0)])
     # One access reaches into one tensor (its pointers are one base plus offsets): the tensor
     # most of its elements fall in, so that running past x into the tensor allocated after it
     # is caught too.
@@ -73,7 +78,8 @@ def check(operation: str, pointers, mask, element_bytes: int) -> None:
         return
     outside = addresses[~inside]
     first = int(outside[0])
-    name, start, end = _ARGUMENTS[home] if home is not None else _nearest(first)
+    span = home if home is not None else _nearest(first)
+    name, start, end = _NAMES[span], int(_STARTS[span]), int(_ENDS[span])
     element, count = (first - start) // element_bytes, (end - start) // element_bytes
     where = "before the start of" if first < start else "past the end of"
     raise IndexError(
