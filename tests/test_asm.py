@@ -44,18 +44,16 @@ def test_it_specializes_on_the_arguments_as_a_launch_does():
     assert asm.opcodes(shifted["sass"])["LDG"] > asm.opcodes(aligned["sass"])["LDG"]
 
 
+def matmul_launch(n, block_m, block_n, block_k):
+    """The arguments of one launch of kernels.matmul's kernel on n x n fp16 operands."""
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.float16)
+    args = (a, a, torch.empty_like(a), a, n, n, n, *a.stride(), *a.stride(), *a.stride())
+    flags = dict(HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="ieee", GROUP_M=8)
+    return args, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
 def test_a_matmul_uses_wgmma_on_hopper_and_mma_before_it():
-    a = torch.randn(256, 256, device=DEVICE, dtype=torch.float16)
-    args = (a, a, torch.empty_like(a), a, 256, 256, 256, *a.stride(), *a.stride(), *a.stride())
-    meta = dict(
-        HAS_BIAS=False,
-        ACTIVATION="none",
-        INPUT_PRECISION="ieee",
-        BLOCK_M=128,
-        BLOCK_N=128,
-        BLOCK_K=64,
-        GROUP_M=8,
-    )
+    args, meta = matmul_launch(256, 128, 128, 64)
     hopper = asm.opcodes(asm.compile_for(matmul.matmul_kernel, *args, **meta, num_warps=8)["sass"])
     ampere = asm.opcodes(
         asm.compile_for(matmul.matmul_kernel, *args, **meta, arch=80, num_warps=8)["sass"]
@@ -113,16 +111,6 @@ def test_opcodes_counts_ptx_and_both_sass_listings():
 
 
 def test_an_autotuned_kernel_compiles_with_the_tile_given():
-    a = torch.randn(64, 64, device=DEVICE, dtype=torch.float16)
-    args = (a, a, torch.empty_like(a), a, 64, 64, 64, *a.stride(), *a.stride(), *a.stride())
-    meta = dict(
-        HAS_BIAS=False,
-        ACTIVATION="none",
-        INPUT_PRECISION="ieee",
-        BLOCK_M=64,
-        BLOCK_N=64,
-        BLOCK_K=32,
-        GROUP_M=8,
-    )
+    args, meta = matmul_launch(64, 64, 64, 32)
     code = asm.compile_for(matmul.matmul_kernel_autotuned, *args, **meta)
     assert asm.opcodes(code["sass"])["HGMMA"] > 0
