@@ -117,7 +117,8 @@ def _compile(fn, args, named, arch, num_warps, num_stages):
     source = triton.compiler.ASTSource(
         fn=fn, signature=signature, constexprs=constants, attrs=attrs
     )
-    fusion = getattr(getattr(triton, "knobs", None), "language", None)  # a launch's default, said
+    # FMA fusion as a launch would have it, stated (Triton 3.9 warns when it is left unset)
+    fusion = getattr(getattr(triton, "knobs", None), "language", None)
     options = {"num_warps": num_warps, "num_stages": num_stages,
                "enable_fp_fusion": getattr(fusion, "default_fp_fusion", True)}  # fmt: skip
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm
