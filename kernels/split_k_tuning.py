@@ -73,21 +73,28 @@ GEMV_TILES = pick(
         Tile(16, 16, 128, num_warps=2, num_stages=4),
     ],
 )
-# int8 weights: half the bytes per element, so twice the K per load for the same bytes.
+# int8 weights: half the bytes per element, so twice the K per load for the same bytes, and
+# tuned for the rows where weight-only int8 pays: a decoding step's few rows (TUNE_ROWS). At
+# 64 rows each 16-row tile converts the same weight to bf16 again, and the tiles that win there
+# (64 rows a tile) lose 1.5x at one row: on an H100 (2026-12-08, 14336 x 4096 and 4096 x
+# 14336, in a CUDA graph), the least regret over 1, 16 and 64 rows took 1.49x and 1.31x the bf16
+# GEMV's speed at one row, over 1 and 16 rows 1.75x and 1.75x (16 x 128 x 512 and 16 x 64 x
+# 256 with 6 stages), and 0.61x and 0.57x at 64 rows, where bf16 weights are the better choice.
 INT8_TILES = pick(
     cpu=[Tile(16, 64, 32, num_stages=1)],
     gpu=[
         Tile(16, 64, 256, num_warps=4, num_stages=4),
+        Tile(16, 64, 256, num_warps=4, num_stages=6),
+        Tile(16, 128, 512, num_warps=8, num_stages=3),
+        Tile(16, 128, 256, num_warps=8, num_stages=3),
         Tile(16, 32, 512, num_warps=4, num_stages=4),
         Tile(16, 128, 128, num_warps=4, num_stages=3),
-        Tile(32, 64, 256, num_warps=4, num_stages=3),
-        Tile(64, 64, 256, num_warps=4, num_stages=3),
         Tile(16, 16, 256, num_warps=2, num_stages=3),
     ],
 )
 TILES = {"matmul": MATMUL_TILES, "gemv": GEMV_TILES, "int8": INT8_TILES}
 # The row counts a kind is timed at: a config must do well at each (decode runs 1 to 64).
-TUNE_ROWS = {"matmul": (256,), "gemv": (1, 16, 64), "int8": (1, 16, 64)}
+TUNE_ROWS = {"matmul": (256,), "gemv": (1, 16, 64), "int8": (1, 16)}
 
 AUTOTUNE = ON_GPU
 # How a plan is timed: back to back in a CUDA graph, over copies of the weight that together
