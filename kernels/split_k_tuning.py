@@ -76,10 +76,11 @@ GEMV_TILES = pick(
 # int8 weights: half the bytes per element, so twice the K per load for the same bytes, and
 # tuned for the rows where weight-only int8 pays: a decoding step's few rows (TUNE_ROWS). At
 # 64 rows each 16-row tile converts the same weight to bf16 again, and the tiles that win there
-# (64 rows a tile) lose 1.5x at one row: on an H100 (2026-12-08, 14336 x 4096 and 4096 x
-# 14336, in a CUDA graph), the least regret over 1, 16 and 64 rows took 1.49x and 1.31x the bf16
-# GEMV's speed at one row, over 1 and 16 rows 1.75x and 1.75x (16 x 128 x 512 and 16 x 64 x
-# 256 with 6 stages), and 0.61x and 0.57x at 64 rows, where bf16 weights are the better choice.
+# (64 rows a tile) take 1.4x to 1.7x as long at one row as the best. On an H100 (2026-12-08,
+# 14336 x 4096 and 4096 x 14336, in a CUDA graph) the least regret over 1, 16 and 64 rows took
+# 1.49x and 1.31x the bf16 GEMV's speed at one row; over 1 and 16 rows, 1.75x and 1.75x (16 x
+# 128 x 512, and 16 x 64 x 256 with 6 stages), and 0.60x and 0.57x at 64 rows, where bf16
+# weights are the better choice.
 INT8_TILES = pick(
     cpu=[Tile(16, 64, 32, num_stages=1)],
     gpu=[
