@@ -92,7 +92,8 @@ def _compile(fn, args, named, arch, num_warps, num_stages):
             f"{fn.__name__} needs {', '.join(missing)} (a launch would fail the same way)"
         )
 
-    backend = make_backend(GPUTarget("cuda", arch, 32))
+    target = GPUTarget("cuda", arch, 32)  # 32 threads a warp
+    backend = make_backend(target)
     signature, constants, attrs = {}, {}, {}
     for i, (name, p) in enumerate(params.items()):
         value = given[name]
@@ -121,7 +122,7 @@ def _compile(fn, args, named, arch, num_warps, num_stages):
     fusion = getattr(getattr(triton, "knobs", None), "language", None)
     options = {"num_warps": num_warps, "num_stages": num_stages,
                "enable_fp_fusion": getattr(fusion, "default_fp_fusion", True)}  # fmt: skip
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm
+    return triton.compile(source, target=target, options=options).asm
 
 
 # an instruction's opcode: PTX's first word ("ld.global.v4.b32" -> "ld"); SASS's after its
